@@ -65,6 +65,20 @@ def make_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_factory(tmp_path_factory):
+    """make(**LlamaConfig overrides) -> directory of a saved random model (cached per settings)."""
+    cache: dict[str, Path] = {}
+
+    def make(seed: int = 0, **overrides) -> Path:
+        key = json.dumps({"seed": seed, **overrides}, sort_keys=True)
+        if key not in cache:
+            cache[key] = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """GQA (4 query heads over 2 KV heads), untied head, head_dim 16."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
