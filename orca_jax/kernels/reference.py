@@ -35,13 +35,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.at[slot_mapping].set(kv, mode="promise_in_bounds").reshape(kv_pages.shape)
 
 
-def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """int32[T]: the sequence each flattened token belongs to (padding tokens get a row past
-    the last real sequence, which the caller masks)."""
-    return jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right").astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_block_tokens"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_tokens"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -53,62 +47,119 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    q_block: int = 32,
     kv_block_tokens: int = 128,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """Two passes, so that no token pays for another sequence's context:
+
+    1. sequences with one query token (decodes), all at once: each row gathers its own pages;
+    2. sequences with several (prefill chunks), one after another, in blocks of `q_block` query
+       rows that share one gather of each KV block.
+    Loops run only as far as the data: to each sequence's own causal (and window) bounds.
+    """
     T, num_q_heads, head_dim = q.shape
-    _, page_size, two_kv_heads, _ = kv_pages.shape
+    S, max_pages = page_table.shape
+    page_size = kv_pages.shape[1]
+    compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    pages_per_block = max(1, kv_block_tokens // page_size)
+    # Pad the page table so every block slice is in range; padding points at page 0.
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
+    attend = functools.partial(
+        _attend_one_sequence, kv_pages=kv_pages, pages_per_block=pages_per_block,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    is_real = jnp.arange(S) < num_seqs[0]
+    single = is_real & (q_lens == 1)
+    multi = is_real & (q_lens > 1)
+    qs = (q.astype(compute_dtype) * sm_scale)
+    # Room for a whole query block past the last token, so block reads and writes stay in range.
+    qs = jnp.pad(qs, ((0, q_block), (0, 0), (0, 0)))
+    out = jnp.zeros((T + q_block, num_q_heads, head_dim), compute_dtype)
+
+    # Pass 1: one query row per sequence slot.
+    first_token = jnp.minimum(cu_q_lens[:-1], T)
+    single_out = jax.vmap(attend)(
+        qs[first_token][:, None], page_table, (kv_lens - 1)[:, None], single[:, None]
+    )[:, 0]
+    out = out.at[jnp.where(single, first_token, T + q_block)].set(single_out, mode="drop")
+
+    # Pass 2: multi-token sequences, compacted to the front of `order`.
+    order = jnp.nonzero(multi, size=S, fill_value=0)[0]
+
+    def one_sequence(i, out):
+        s = order[i]
+
+        def one_block(j, out):
+            start = cu_q_lens[s] + j * q_block
+            offsets = j * q_block + jnp.arange(q_block)
+            rows_valid = offsets < q_lens[s]
+            query_pos = kv_lens[s] - q_lens[s] + offsets
+            q_rows = jax.lax.dynamic_slice_in_dim(qs, start, q_block)
+            new = attend(q_rows, page_table[s], query_pos, rows_valid)
+            old = jax.lax.dynamic_slice_in_dim(out, start, q_block)
+            merged = jnp.where(rows_valid[:, None, None], new, old)  # do not clobber the next sequence
+            return jax.lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
+
+        return jax.lax.fori_loop(0, (q_lens[s] + q_block - 1) // q_block, one_block, out)
+
+    out = jax.lax.fori_loop(0, jnp.sum(multi), one_sequence, out)
+    return out[:T].astype(q.dtype)
+
+
+def _attend_one_sequence(q_rows, pages, query_pos, rows_valid, *, kv_pages, pages_per_block,
+                         sliding_window, soft_cap):
+    """Flash-style attention of R query rows of one sequence over its pages.
+
+    q_rows [R, num_q_heads, head_dim] (already scaled); pages i32[padded max pages];
+    query_pos i32[R] (cache position of each row); rows_valid bool[R]. Returns [R, N, H] with
+    zeros for invalid rows. Visits only the KV blocks some valid row can see."""
+    R, num_q_heads, head_dim = q_rows.shape
+    page_size, two_kv_heads = kv_pages.shape[1], kv_pages.shape[2]
     num_kv_heads = two_kv_heads // 2
     group = num_q_heads // num_kv_heads
-    S, max_pages = page_table.shape
-    compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
-
-    pages_per_block = max(1, kv_block_tokens // page_size)
     block_tokens = pages_per_block * page_size
-    num_blocks_static = -(-max_pages // pages_per_block)
-    # Pad the page table so every block slice is in range; padding points at page 0.
-    page_table = jnp.pad(page_table, ((0, 0), (0, num_blocks_static * pages_per_block - max_pages)))
+    dtype = q_rows.dtype
+    qg = q_rows.reshape(R, num_kv_heads, group, head_dim)
 
-    # Per-token metadata.
-    seq = token_sequence_ids(cu_q_lens, T)
-    token_valid = (jnp.arange(T) < cu_q_lens[num_seqs[0]]) & (seq < num_seqs[0])
-    seq = jnp.minimum(seq, S - 1)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    query_pos = kv_lens[seq] - q_len + (jnp.arange(T) - cu_q_lens[seq])  # [T]
-    token_pages = page_table[seq]  # [T, padded max pages]
-
-    # Grouped-query layout: the `group` query heads that share a KV head sit together.
-    qg = (q.astype(compute_dtype) * sm_scale).reshape(T, num_kv_heads, group, head_dim)
-
-    max_kv_len = jnp.max(jnp.where(jnp.arange(S) < num_seqs[0], kv_lens, 0))
-    num_blocks = (max_kv_len + block_tokens - 1) // block_tokens
+    last_pos = jnp.max(jnp.where(rows_valid, query_pos, -1))
+    first_block = 0
+    if sliding_window is not None:
+        first_pos = jnp.min(jnp.where(rows_valid, query_pos, jnp.iinfo(jnp.int32).max))
+        first_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
+    end_block = (last_pos + block_tokens) // block_tokens  # blocks holding positions <= last_pos
 
     def attend_block(b, carry):
-        m, l, acc = carry  # [T, KVH, G], [T, KVH, G], [T, KVH, G, D]
-        pages = jax.lax.dynamic_slice_in_dim(token_pages, b * pages_per_block, pages_per_block, axis=1)
-        kv = kv_pages[pages].reshape(T, block_tokens, two_kv_heads, head_dim).astype(compute_dtype)
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, B, KVH, D]
-        key_pos = b * block_tokens + jnp.arange(block_tokens)  # [B]
-        visible = (key_pos[None, :] <= query_pos[:, None]) & token_valid[:, None]
+        m, l, acc = carry  # [R, K, G], [R, K, G], [R, K, G, D]
+        block_pages = jax.lax.dynamic_slice_in_dim(pages, b * pages_per_block, pages_per_block)
+        kv = kv_pages[block_pages].reshape(block_tokens, num_kv_heads, 2, head_dim).astype(dtype)
+        k, v = kv[:, :, 0], kv[:, :, 1]  # [B, K, D]
+        key_pos = b * block_tokens + jnp.arange(block_tokens)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & rows_valid[:, None]  # [R, B]
         if sliding_window is not None:
             visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        # Unused cache slots may hold anything (NaN in tests): never let them reach a sum.
-        v = jnp.where(visible[:, :, None, None], v, 0)
-        s = jnp.einsum("tkgd,tbkd->tkgb", qg, k)
+        s = jnp.einsum("rkgd,bkd->rkgb", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
+        vis = visible[:, None, None, :]
+        s = jnp.where(vis, s, _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0)
+        p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0)
+        # Cache slots past a sequence's end may hold anything (NaN in tests): 0 * NaN is NaN,
+        # so masked-out values are replaced, not just weighted by zero.
+        v = jnp.where(visible.any(axis=0)[:, None, None], v, 0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, v)
+        acc = acc * alpha[..., None] + jnp.einsum("rkgb,bkd->rkgd", p, v)
         return m_new, l, acc
 
     init = (
-        jnp.full((T, num_kv_heads, group), _MASK_VALUE, compute_dtype),
-        jnp.zeros((T, num_kv_heads, group), compute_dtype),
-        jnp.zeros((T, num_kv_heads, group, head_dim), compute_dtype),
+        jnp.full((R, num_kv_heads, group), _MASK_VALUE, dtype),
+        jnp.zeros((R, num_kv_heads, group), dtype),
+        jnp.zeros((R, num_kv_heads, group, head_dim), dtype),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, attend_block, init)
+    _, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
-    return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(R, num_q_heads, head_dim)

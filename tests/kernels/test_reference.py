@@ -1,0 +1,280 @@
+"""The reference ragged paged attention and `write_kv` against a float64 numpy oracle.
+
+Every case builds a ragged batch by hand: sequences with (new query tokens, cached tokens),
+pages handed out at random from 1..num_pages-1, padding sequence rows past `num_seqs` (with
+garbage kv_lens and page tables pointing at unowned pages) and padding tokens past
+`cu_q_lens[num_seqs]`. Every cache slot that no sequence owns (page 0, unused pages, the tail
+of a partly filled page) holds NaN, so any read of padding turns a real row into NaN.
+
+Tolerances (against the float64 oracle, computed from the inputs as the kernel sees them,
+i.e. after rounding to the input dtype):
+  float32 inputs   rtol 1e-5, atol 1e-5
+  bfloat16 inputs  rtol 2e-2, atol 2e-2 (output is rounded to bfloat16: ~4e-3 relative)
+  float64 inputs   rtol 1e-12, atol 1e-12 (jax x64 enabled)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orca_jax.kernels import ragged_paged_attention, write_kv
+
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
+
+
+# --------------------------------------------------------------------------------------------
+# float64 oracle: plain loops, one sequence and one query token at a time.
+# --------------------------------------------------------------------------------------------
+
+def oracle_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
+                     sliding_window=None, soft_cap=None):
+    q = np.asarray(q, np.float64)
+    kv_pages = np.asarray(kv_pages, np.float64)
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, two_kv_heads, _ = kv_pages.shape
+    group = num_q_heads // (two_kv_heads // 2)
+    out = np.zeros((T, num_q_heads, head_dim), np.float64)
+    for s in range(int(num_seqs[0])):
+        start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
+        q_len, kv_len = end - start, int(kv_lens[s])
+        # This sequence's cache, read position by position through its page table.
+        keys = np.stack([kv_pages[page_table[s, p // page_size], p % page_size, 0::2] for p in range(kv_len)])
+        values = np.stack([kv_pages[page_table[s, p // page_size], p % page_size, 1::2] for p in range(kv_len)])
+        for i in range(q_len):
+            query_pos = kv_len - q_len + i
+            key_pos = np.arange(kv_len)
+            visible = key_pos <= query_pos
+            if sliding_window is not None:
+                visible &= query_pos - key_pos < sliding_window
+            for h in range(num_q_heads):
+                kvh = h // group
+                scores = keys[visible, kvh] @ q[start + i, h] * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                out[start + i, h] = w @ values[visible, kvh]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Ragged batch construction.
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    q: np.ndarray
+    kv_pages: np.ndarray
+    kv_lens: np.ndarray
+    page_table: np.ndarray
+    cu_q_lens: np.ndarray
+    num_seqs: np.ndarray
+    num_real_tokens: int
+
+
+def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad_seqs=2,
+              pad_tokens=3, extra_pages=3, max_pages_per_seq=None, dtype=np.float32, q_scale=1.0):
+    """seqs: [(q_len, kv_len)]; kv_len includes this step's q_len tokens."""
+    rng = np.random.default_rng(seed)
+    S = len(seqs) + pad_seqs
+    pages_needed = [-(-kv_len // page_size) for _, kv_len in seqs]
+    max_pages = max_pages_per_seq or max(pages_needed + [1]) + 1
+    num_pages = 1 + sum(pages_needed) + extra_pages
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    unowned = free[sum(pages_needed):] + [0]  # never handed to a sequence
+
+    kv_pages = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float64)
+    # Padding rows: garbage lengths and page tables pointing at NaN pages.
+    page_table = rng.choice(unowned, size=(S, max_pages)).astype(np.int32)
+    kv_lens = rng.integers(1, max_pages * page_size + 1, size=S).astype(np.int32)
+    for s, ((q_len, kv_len), n) in enumerate(zip(seqs, pages_needed)):
+        assert 0 < q_len <= kv_len
+        pages = [free.pop() for _ in range(n)]
+        page_table[s, :n] = pages  # entries past n keep pointing at unowned (NaN) pages
+        kv_lens[s] = kv_len
+        for p in range(kv_len):
+            kv_pages[pages[p // page_size], p % page_size] = rng.standard_normal((2 * num_kv_heads, head_dim))
+
+    total = sum(q_len for q_len, _ in seqs)
+    T = total + pad_tokens
+    cu_q_lens = np.full(S + 1, total, np.int32)
+    cu_q_lens[: len(seqs) + 1] = np.concatenate([[0], np.cumsum([q for q, _ in seqs])])
+    q = rng.standard_normal((T, num_q_heads, head_dim)) * q_scale  # padding tokens get finite q
+    return Case(q.astype(dtype), kv_pages.astype(dtype), kv_lens, page_table, cu_q_lens,
+                np.array([len(seqs)], np.int32), total)
+
+
+def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
+    out = ragged_paged_attention(
+        jnp.asarray(case.q), jnp.asarray(case.kv_pages), jnp.asarray(case.kv_lens),
+        jnp.asarray(case.page_table), jnp.asarray(case.cu_q_lens), jnp.asarray(case.num_seqs),
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl="reference")
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    out = np.asarray(out).astype(np.float64)
+    # The oracle reads the inputs exactly as the kernel got them (already rounded to dtype).
+    expected = oracle_attention(
+        np.asarray(case.q).astype(np.float64), np.asarray(case.kv_pages).astype(np.float64),
+        case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    n = case.num_real_tokens
+    assert np.all(np.isfinite(out)), "NaN/inf in the output: padding was read"
+    np.testing.assert_allclose(out[:n], expected[:n], rtol=tol, atol=tol)
+    # Padding tokens: finite zeros.
+    np.testing.assert_array_equal(out[n:], 0.0)
+    return float(np.max(np.abs(out[:n] - expected[:n]), initial=0.0))
+
+
+# (name, seqs) with seqs = [(q_len, kv_len), ...]
+MIXES = {
+    "decode": [(1, 37), (1, 1), (1, 128), (1, 129), (1, 300), (1, 16)],
+    "prefill": [(23, 23), (1, 1), (64, 64), (130, 130)],
+    "mixed": [(1, 200), (17, 17), (1, 9), (40, 40), (1, 64)],
+    "chunked": [(16, 160), (5, 133), (1, 50), (32, 32), (7, 7 + 128)],
+}
+
+# (gqa ratio, num_kv_heads, head_dim, page_size, mix, sliding window, soft cap)
+CONFIGS = [
+    (1, 2, 64, 16, "decode", None, None),
+    (3, 2, 64, 8, "prefill", None, None),
+    (4, 2, 128, 32, "mixed", None, None),
+    (8, 1, 64, 16, "chunked", None, None),
+    (1, 4, 128, 8, "mixed", 24, None),
+    (4, 1, 64, 32, "chunked", 100, None),
+    (3, 1, 128, 16, "decode", None, 5.0),
+    (8, 1, 128, 8, "prefill", 7, 10.0),
+    (4, 2, 64, 16, "mixed", 1, 3.0),
+    (1, 1, 64, 32, "prefill", 1000, 30.0),
+]
+
+
+@pytest.mark.parametrize("seed,ratio,num_kv_heads,head_dim,page_size,mix,window,cap",
+                         [(i, *c) for i, c in enumerate(CONFIGS)],
+                         ids=[f"gqa{c[0]}-d{c[2]}-ps{c[3]}-{c[4]}-w{c[5]}-cap{c[6]}" for c in CONFIGS])
+def test_float32_matches_oracle(seed, ratio, num_kv_heads, head_dim, page_size, mix, window, cap):
+    case = make_case(100 + seed, MIXES[mix], num_q_heads=ratio * num_kv_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                     q_scale=3.0 if cap else 1.0)
+    err = run_and_compare(case, sm_scale=1 / math.sqrt(head_dim), sliding_window=window, soft_cap=cap,
+                          tol=TOLERANCES["float32"])
+    print(f"float32 max abs err {err:.3e}")
+
+
+@pytest.mark.parametrize("mix,window,cap", [("mixed", None, None), ("chunked", 50, 20.0)])
+def test_bfloat16_matches_oracle(mix, window, cap):
+    case = make_case(7, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                     dtype=jnp.bfloat16)
+    err = run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                          tol=TOLERANCES["bfloat16"])
+    print(f"bfloat16 max abs err {err:.3e}")
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (33, 4.0)])
+def test_float64_matches_oracle_with_x64(window, cap):
+    with jax.enable_x64(True):
+        case = make_case(11, MIXES["mixed"] + [(3, 140)], num_q_heads=6, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=np.float64)
+        err = run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                              tol=TOLERANCES["float64"])
+    print(f"float64 max abs err {err:.3e}")
+
+
+def test_padding_layout_of_build_batch():
+    """Padding as build_batch writes it: rows past num_seqs have kv_len 0, page 0 only, and
+    cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
+    case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8, pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)
+    pt = case.page_table
+    for s, n in enumerate([3, 2, 6]):
+        pt[s, n:] = 0
+    pt[3:] = 0
+    case.kv_lens[3:] = 0
+    run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])
+
+
+def test_all_padding_batch_is_zero():
+    """A warm-up batch: num_seqs = 0, every token is padding, every cache slot NaN."""
+    T, S, H, D, ps = 8, 4, 4, 64, 16
+    q = np.random.default_rng(0).standard_normal((T, H, D)).astype(np.float32)
+    kv_pages = np.full((3, ps, 4, D), np.nan, np.float32)
+    out = ragged_paged_attention(q, kv_pages, np.zeros(S, np.int32), np.zeros((S, 2), np.int32),
+                                 np.zeros(S + 1, np.int32), np.zeros(1, np.int32), sm_scale=0.125,
+                                 impl="reference")
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_rows_do_not_depend_on_other_sequences():
+    """One sequence's output is the same alone and in a batch with others (bitwise)."""
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, pad_seqs=0, pad_tokens=0)
+    alone = make_case(5, [(9, 70)], **kw)
+    together = make_case(6, [(1, 300), (9, 70), (30, 30)], **kw)
+    # Copy the lone sequence's data into row 1 of the batch.
+    together.q[1:10] = alone.q[:9]
+    pages = together.page_table[1, :5]
+    together.kv_pages[pages] = alone.kv_pages[alone.page_table[0, :5]]
+    outs = []
+    for c, rows in ((alone, slice(0, 9)), (together, slice(1, 10))):
+        o = ragged_paged_attention(c.q, c.kv_pages, c.kv_lens, c.page_table, c.cu_q_lens, c.num_seqs,
+                                   sm_scale=0.125, impl="reference")
+        outs.append(np.asarray(o)[rows])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_write_kv_slots_and_padding(dtype):
+    rng = np.random.default_rng(1)
+    num_pages, ps, kvh, D = 6, 8, 2, 64
+    n_real, n_pad = 13, 11  # more padding tokens than a page: they collide inside page 0
+    T = n_real + n_pad
+    kv_pages = rng.standard_normal((num_pages, ps, 2 * kvh, D)).astype(dtype)
+    k = rng.standard_normal((T, kvh, D)).astype(np.float32)
+    v = rng.standard_normal((T, kvh, D)).astype(np.float32)
+    real_slots = rng.choice(np.arange(ps, num_pages * ps), size=n_real, replace=False)
+    pad_slots = np.arange(n_pad) % ps  # page 0, as build_batch does
+    slot_mapping = np.concatenate([real_slots, pad_slots]).astype(np.int32)
+
+    new = np.asarray(jax.jit(write_kv)(jnp.asarray(kv_pages), k, v, slot_mapping))
+    assert new.shape == kv_pages.shape and new.dtype == kv_pages.dtype
+
+    expected = np.asarray(kv_pages).copy()
+    for t, slot in enumerate(real_slots):
+        page, off = divmod(int(slot), ps)
+        expected[page, off, 0::2] = k[t].astype(dtype)
+        expected[page, off, 1::2] = v[t].astype(dtype)
+    # Every page except the padding sink is exactly as expected: K at even, V at odd slots,
+    # nothing else touched.
+    np.testing.assert_array_equal(new[1:], expected[1:])
+    for t, slot in enumerate(real_slots):
+        page, off = divmod(int(slot), ps)
+        for h in range(kvh):
+            np.testing.assert_array_equal(new[page, off, 2 * h], k[t, h].astype(dtype))
+            np.testing.assert_array_equal(new[page, off, 2 * h + 1], v[t, h].astype(dtype))
+
+
+def test_write_kv_then_attention_matches_oracle():
+    """Fill the cache of a chunked-prefill batch through write_kv and attend to it."""
+    rng = np.random.default_rng(2)
+    H, KVH, D, ps = 4, 2, 64, 16
+    case = make_case(9, [(10, 40), (1, 17), (6, 6)], num_q_heads=H, num_kv_heads=KVH, head_dim=D,
+                     page_size=ps)
+    # Rewrite this step's K/V (the last q_len positions of each sequence) with write_kv.
+    T = case.q.shape[0]
+    k = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    slots = np.arange(T, dtype=np.int32) % ps  # padding tokens -> page 0
+    for s in range(int(case.num_seqs[0])):
+        start, end = case.cu_q_lens[s], case.cu_q_lens[s + 1]
+        for t in range(start, end):
+            pos = case.kv_lens[s] - (end - start) + (t - start)
+            slots[t] = case.page_table[s, pos // ps] * ps + pos % ps
+    case.kv_pages = np.asarray(write_kv(jnp.asarray(case.kv_pages), k, v, slots))
+    run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])

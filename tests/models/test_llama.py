@@ -1,0 +1,265 @@
+"""Llama parity with Hugging Face transformers (PyTorch CPU, float32), through the real engine path.
+
+Every parity case builds an LLMEngine on a tiny random checkpoint saved with transformers, then
+drives it by hand (schedule -> build_batch -> runner.logits -> postprocess) with a small token
+budget, so prompts are chunk-prefilled and steps mix prefill chunks with decodes of other
+requests. Each row whose scheduled tokens reach the end of its sequence is compared with HF's
+last-position logits on the same full token sequence.
+
+The random checkpoints use `initializer_range=0.1` (HF's default 0.02 makes q.k so small that
+attention is nearly uniform and RoPE mistakes hide below the tolerance); biases, which HF
+initialises to zero, are randomised so a mishandled bias shows.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import orca_jax.batch
+from orca_jax import LLM, SamplingParams
+from orca_jax.engine import LLMEngine
+from orca_jax.models.layers import AttentionInputs, rope_inv_freq
+from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.models.loader import load_model
+
+ATOL = 1e-4
+VOCAB = 512  # conftest.TINY_VOCAB
+
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=64, rope_theta=10000.0,
+)
+
+# name -> LlamaConfig overrides for `tiny_llama_factory` (on top of conftest's defaults:
+# hidden 64, 2 layers, vocab 512).
+PARITY_CONFIGS = {
+    # GQA 4 query heads over 2 KV heads; head_dim 32, so N * H (128) != hidden (64).
+    "gqa-untied-hd32": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # MHA, tied embeddings, head_dim 64.
+    "mha-tied-hd64": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    # Llama 3.1 RoPE scaling. With head_dim 16 and original_max_position_embeddings 64 the eight
+    # wavelengths (6.3 .. 19869) fall in all three regimes: kept (< 16), blended (16..64),
+    # slowed by `factor` (> 64). GQA 4:1.
+    "gqa-llama3-rope": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_parameters=LLAMA3_ROPE),
+    # Biases on q/k/v/o and on the MLP (randomised below), MHA 4 heads.
+    "mha-bias": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, attention_bias=True, mlp_bias=True),
+}
+
+# Prompt lengths: with max_num_batched_tokens=16 the long ones are split into several chunks,
+# and while they prefill the short ones are already decoding.
+PROMPT_LENGTHS = (5, 23, 12, 37)
+LATE_PROMPT_LENGTH = 9  # arrives after a few steps: joins a running batch
+MAX_TOKENS = 5
+
+
+def _model_dir(factory, tmp_path_factory, name: str) -> Path:
+    overrides = dict(PARITY_CONFIGS[name], initializer_range=0.1)
+    directory = factory(seed=1, **overrides)
+    if overrides.get("attention_bias") or overrides.get("mlp_bias"):
+        directory = _with_random_biases(directory, tmp_path_factory.mktemp(f"{name}-biased"))
+    return directory
+
+
+def _with_random_biases(src: Path, dst: Path) -> Path:
+    """Copy of the checkpoint at `src` with every bias set to random values."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    model = HFLlama.from_pretrained(src, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(7)
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                count += 1
+    assert count == model.config.num_hidden_layers * 7, count  # q, k, v, o, gate, up, down
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _hf_model(directory: Path):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    return HFLlama.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+class _HFLastLogits:
+    """HF logits at the last position of a token sequence (memoised)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def __call__(self, tokens: list[int]) -> np.ndarray:
+        key = tuple(tokens)
+        if key not in self.cache:
+            with torch.no_grad():
+                out = self.model(torch.tensor([tokens], dtype=torch.long)).logits
+            self.cache[key] = out[0, -1].float().numpy()
+        return self.cache[key]
+
+
+def _drive_and_compare(engine: LLMEngine, hf_last: _HFLastLogits, rng: np.random.Generator) -> dict:
+    """Drive the engine by hand; compare every row that produces a next token with HF."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+    late_prompt = rng.integers(3, VOCAB, size=LATE_PROMPT_LENGTH).tolist()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    seqs = [engine.requests[f"r{i}"].seqs[0] for i in range(len(prompts))]
+
+    diffs: list[float] = []
+    stats = dict(steps=0, mixed_steps=0, partial_prefill_rows=0, compared_rows=0)
+    sched_ = engine.scheduler
+    while sched_.has_unfinished():
+        if stats["steps"] == 3:
+            engine.add_request("late", late_prompt, params)
+            seqs.append(engine.requests["late"].seqs[0])
+        sched = sched_.schedule()
+        assert sched, "scheduler returned an empty step while requests are unfinished"
+        batch = orca_jax.batch.build_batch(engine.config, sched)
+        logits = engine.runner.logits(batch)
+        assert logits.dtype == np.float32 and logits.shape[1] == VOCAB and logits.shape[0] >= len(sched)
+        kinds = set()
+        for row, (seq, n) in enumerate(sched):
+            kinds.add("decode" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill")
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                ref = hf_last(seq.prompt_token_ids + seq.output_token_ids)
+                diffs.append(float(np.abs(logits[row] - ref).max()))
+                stats["compared_rows"] += 1
+            else:
+                stats["partial_prefill_rows"] += 1
+        stats["steps"] += 1
+        stats["mixed_steps"] += kinds == {"decode", "prefill"}
+        tokens = logits[: len(sched)].argmax(axis=-1).tolist()
+        for seq in sched_.postprocess(sched, tokens):
+            if len(seq.output_token_ids) >= MAX_TOKENS:
+                sched_.finish(seq, "length")
+
+    # The run exercised what it is meant to exercise.
+    assert all(len(s.output_token_ids) == MAX_TOKENS for s in seqs)
+    assert stats["compared_rows"] == len(seqs) * MAX_TOKENS
+    assert stats["partial_prefill_rows"] >= 3, stats  # chunked prefill happened
+    assert stats["mixed_steps"] >= 2, stats  # prefill chunks and decodes in one step
+    assert engine.allocator.num_used == 0  # every page came back
+    stats["max_diff"] = max(diffs)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def parity_results(tiny_llama_factory, tmp_path_factory):
+    """Run every parity config once; tests below assert on the results."""
+    results = {}
+    for i, name in enumerate(PARITY_CONFIGS):
+        directory = _model_dir(tiny_llama_factory, tmp_path_factory, name)
+        engine = LLMEngine(
+            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
+            max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
+        )
+        results[name] = _drive_and_compare(engine, _HFLastLogits(_hf_model(directory)), np.random.default_rng(i))
+        results[name]["engine"] = engine
+        results[name]["dir"] = directory
+    return results
+
+
+@pytest.mark.parametrize("name", list(PARITY_CONFIGS))
+def test_logits_match_transformers_through_engine(parity_results, name):
+    stats = parity_results[name]
+    print(f"{name}: max |logit diff| = {stats['max_diff']:.3e} over {stats['compared_rows']} rows, "
+          f"{stats['steps']} steps ({stats['mixed_steps']} mixed)")
+    assert stats["max_diff"] <= ATOL, f"{name}: max abs logit difference {stats['max_diff']:.3e} > {ATOL}"
+
+
+def test_llama3_rope_config_is_applied(parity_results):
+    """The llama3 case really runs with scaled frequencies (guards the parity case above from
+    silently testing plain RoPE on both sides)."""
+    engine = parity_results["gqa-llama3-rope"]["engine"]
+    cfg = engine.model_config
+    assert cfg.rope_scaling_dict == {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }
+    plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    scaled = np.asarray(engine.runner.inv_freq)
+    assert np.allclose(scaled[:1], plain[:1])  # short wavelength kept
+    assert np.allclose(scaled[-1], plain[-1] / 8.0)  # long wavelength slowed by `factor`
+    assert not np.allclose(scaled, plain)
+
+    # The same frequencies as transformers computes.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = _hf_model(parity_results["gqa-llama3-rope"]["dir"])
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    np.testing.assert_allclose(scaled, hf_inv_freq.numpy(), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy generation through LLM / LLMEngine.step equals HF generate.
+# ---------------------------------------------------------------------------------------------
+def test_greedy_generation_matches_hf_generate(tiny_llama_dir):
+    num_new = 16
+    rng = np.random.default_rng(123)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 11, 20, 29, 6)]
+    llm = LLM(model=str(tiny_llama_dir), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
+              num_pages=64, max_model_len=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False)
+
+    hf = _hf_model(tiny_llama_dir)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: always 16 new tokens
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=num_new, pad_token_id=0)[0, len(prompt):].tolist()
+        assert len(ref) == num_new
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].finish_reason == "length"
+    assert llm.engine.allocator.num_used == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader's parameter tree is exactly what the model's init produces.
+# ---------------------------------------------------------------------------------------------
+def _init_shapes(config, num_pages=4, page_size=8, T=8, S=2):
+    model = LlamaForCausalLM(config)
+    max_pages = 4
+    inputs = AttentionInputs(
+        positions=jnp.zeros(T, jnp.int32),
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        page_table=jnp.zeros((S, max_pages), jnp.int32),
+        kv_lens=jnp.zeros(S, jnp.int32),
+        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
+        num_seqs=jnp.zeros(1, jnp.int32),
+        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
+    )
+    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
+    return jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
+    )
+
+
+@pytest.mark.parametrize("name", list(PARITY_CONFIGS))
+def test_loader_tree_matches_model_init(tiny_llama_factory, tmp_path_factory, name):
+    loaded = load_model(_model_dir(tiny_llama_factory, tmp_path_factory, name))
+    expected = _init_shapes(loaded.config)
+    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    mismatched = [
+        (jax.tree_util.keystr(path), g, e)
+        for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected))
+        if (g.shape, g.dtype) != (e.shape, e.dtype)
+    ]
+    assert not mismatched, mismatched
+    has_bias = "bias" in loaded.params["params"]["layers"]["attn"]["q_proj"]
+    assert has_bias == PARITY_CONFIGS[name].get("attention_bias", False)
+    assert ("lm_head" in loaded.params["params"]) != PARITY_CONFIGS[name].get("tie_word_embeddings", False)

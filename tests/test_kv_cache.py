@@ -1,0 +1,156 @@
+"""PageAllocator (host free list; page 0 is the padding sink) and device cache sizing."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.kv_cache import (
+    PADDING_PAGE,
+    OutOfPagesError,
+    PageAllocator,
+    choose_num_pages,
+    create_kv_cache,
+    kv_bytes_per_page,
+)
+
+MODEL = ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+)
+
+
+def test_padding_page_is_never_handed_out():
+    alloc = PageAllocator(num_pages=9, page_size=4)
+    assert alloc.num_usable == 8 and alloc.num_free == 8 and alloc.num_used == 0
+    pages = alloc.allocate(8)
+    assert PADDING_PAGE == 0
+    assert sorted(pages) == list(range(1, 9))
+    assert alloc.num_free == 0 and alloc.num_used == 8
+
+
+def test_allocate_and_free_round_trip():
+    alloc = PageAllocator(num_pages=6, page_size=4)
+    a = alloc.allocate(2)
+    b = alloc.allocate(3)
+    assert len(set(a) | set(b)) == 5, "pages handed out twice"
+    assert alloc.num_free == 0
+    alloc.free(a)
+    assert alloc.num_free == 2 and alloc.num_used == 3
+    c = alloc.allocate(2)
+    assert set(c) == set(a), "freed pages are reused"
+    assert not set(c) & set(b)
+    alloc.free(b + c)
+    assert alloc.num_free == alloc.num_usable == 5
+
+
+def test_out_of_pages_raises_and_changes_nothing():
+    alloc = PageAllocator(num_pages=4, page_size=2)
+    held = alloc.allocate(2)
+    assert not alloc.can_allocate(2) and alloc.can_allocate(1)
+    with pytest.raises(OutOfPagesError, match="asked for 2 pages, 1 free"):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    last = alloc.allocate(1)
+    assert not set(last) & set(held) and last != [PADDING_PAGE]
+    assert alloc.allocate(0) == []
+
+
+def test_pages_needed_rounds_up():
+    alloc = PageAllocator(num_pages=4, page_size=8)
+    assert [alloc.pages_needed(n) for n in (0, 1, 7, 8, 9, 16, 17)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_grow_to():
+    alloc = PageAllocator(num_pages=6, page_size=4)  # 5 usable pages = 20 tokens
+    pages: list[int] = []
+    assert alloc.grow_to(pages, 1) and len(pages) == 1
+    assert alloc.grow_to(pages, 4) and len(pages) == 1, "a page holds page_size tokens"
+    assert alloc.grow_to(pages, 5) and len(pages) == 2
+    assert alloc.grow_to(pages, 3) and len(pages) == 2, "never shrinks"
+    first_two = list(pages)
+    assert alloc.grow_to(pages, 20) and len(pages) == 5 and pages[:2] == first_two
+    assert alloc.num_free == 0
+    assert PADDING_PAGE not in pages and len(set(pages)) == 5
+
+    other: list[int] = []
+    alloc.free(pages[3:])
+    del pages[3:]
+    assert alloc.num_free == 2
+    assert not alloc.grow_to(other, 9), "9 tokens need 3 pages, 2 free"
+    assert other == [] and alloc.num_free == 2, "a failed grow allocates nothing"
+    assert alloc.grow_to(other, 8) and len(other) == 2 and not set(other) & set(pages)
+
+
+def test_needs_two_pages():
+    with pytest.raises(ValueError, match="page 0"):
+        PageAllocator(num_pages=1, page_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_pages=st.integers(2, 24),
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 80)), max_size=60),
+)
+def test_random_grow_and_free_keep_ownership_exclusive(num_pages, page_size, ops):
+    """Owners grow and release at random; no page is ever owned twice, page 0 never leaves,
+    and free + owned always equals the usable pool."""
+    alloc = PageAllocator(num_pages, page_size)
+    owners: dict[int, list[int]] = {}
+    for owner, tokens in ops:
+        pages = owners.setdefault(owner, [])
+        if tokens == 0:
+            alloc.free(pages)
+            owners[owner] = []
+        else:
+            before = list(pages)
+            free_before = alloc.num_free
+            missing = max(0, alloc.pages_needed(tokens) - len(pages))
+            ok = alloc.grow_to(pages, tokens)
+            assert ok == (missing <= free_before)
+            if ok:
+                assert len(pages) * page_size >= tokens and pages[: len(before)] == before
+                assert alloc.num_free == free_before - missing
+            else:
+                assert pages == before and alloc.num_free == free_before
+        owned = [p for ps in owners.values() for p in ps]
+        assert len(owned) == len(set(owned)), "a page has two owners"
+        assert PADDING_PAGE not in owned
+        assert all(1 <= p < num_pages for p in owned)
+        assert len(owned) + alloc.num_free == alloc.num_usable
+    for pages in owners.values():
+        alloc.free(pages)
+    assert alloc.num_free == alloc.num_usable
+    assert sorted(alloc.allocate(alloc.num_usable)) == list(range(1, num_pages))
+
+
+def test_cache_shape_and_page_bytes():
+    cache = create_kv_cache(MODEL, num_pages=5, page_size=8, dtype=jnp.float32)
+    assert cache.shape == (MODEL.num_layers, 5, 8, 2 * MODEL.num_kv_heads, MODEL.head_dim)
+    assert cache.dtype == jnp.float32
+    assert not bool(jnp.any(cache != 0))
+    per_page = kv_bytes_per_page(MODEL, 8, jnp.bfloat16)
+    assert per_page == MODEL.num_layers * 8 * 2 * MODEL.num_kv_heads * MODEL.head_dim * 2
+    assert kv_bytes_per_page(MODEL, 8, jnp.float32) * 5 == cache.nbytes
+
+
+def test_choose_num_pages():
+    explicit = EngineConfig(num_pages=7, page_size=8, max_model_len=64).resolve(MODEL)
+    assert choose_num_pages(explicit, MODEL, jnp.float32) == 7
+
+    per_page = kv_bytes_per_page(MODEL, 8, jnp.float32)
+    budget = EngineConfig(page_size=8, max_model_len=64, max_num_seqs=32,
+                          kv_cache_memory_bytes=10 * per_page + 1).resolve(MODEL)
+    assert choose_num_pages(budget, MODEL, jnp.float32) == 10
+
+    # Never more than every sequence at full length can use, plus the padding page.
+    capped = EngineConfig(page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
+                          kv_cache_memory_bytes=1000 * per_page).resolve(MODEL)
+    assert choose_num_pages(capped, MODEL, jnp.float32) == 2 * 8 + 1
+
+    tiny = EngineConfig(page_size=8, max_model_len=64, kv_cache_memory_bytes=1).resolve(MODEL)
+    assert choose_num_pages(tiny, MODEL, jnp.float32) == 2

@@ -1,0 +1,80 @@
+"""SamplingParams: vLLM names and defaults, normalisation, validation on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from orca_jax import SamplingParams
+
+# vLLM's SamplingParams defaults for the fields orca_jax shares (stop / stop_token_ids are
+# normalised to empty lists, as vLLM does).
+VLLM_DEFAULTS = dict(
+    max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop=[],
+    stop_token_ids=[], ignore_eos=False, n=1, logprobs=None, presence_penalty=0.0,
+    frequency_penalty=0.0, repetition_penalty=1.0, include_stop_str_in_output=False,
+)
+
+
+def test_defaults_equal_vllm():
+    p = SamplingParams()
+    for name, value in VLLM_DEFAULTS.items():
+        assert getattr(p, name) == value, name
+    assert not p.greedy and not p.uses_penalties
+
+
+def test_field_names_are_vllm_names():
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(VLLM_DEFAULTS) <= names
+
+
+def test_stop_string_becomes_list_and_lists_are_copied():
+    assert SamplingParams(stop="###").stop == ["###"]
+    stops = ["a", "bc"]
+    p = SamplingParams(stop=stops, stop_token_ids=(5, 7))
+    assert p.stop == ["a", "bc"] and p.stop_token_ids == [5, 7]
+    stops.append("d")
+    assert p.stop == ["a", "bc"]
+
+
+def test_top_k_minus_one_means_off():
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=0).top_k == 0
+    assert SamplingParams(top_k=40).top_k == 40
+
+
+def test_greedy_and_penalty_flags():
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(presence_penalty=0.5).uses_penalties
+    assert SamplingParams(frequency_penalty=-0.1).uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+
+
+def test_valid_edges_are_accepted():
+    SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, min_p=1.0, n=3, logprobs=0,
+                   presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01, seed=0)
+    SamplingParams(top_p=1e-6, min_p=0.0, presence_penalty=2.0, frequency_penalty=-2.0, logprobs=20)
+
+
+INVALID = [
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5),
+    ("temperature", -1.0), ("temperature", -1e-9),
+    ("top_k", -2), ("top_k", 1.5),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1),
+    ("min_p", 2.0), ("min_p", -0.1),
+    ("n", 0), ("n", -1),
+    ("logprobs", -1),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
+    ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("seed", 1.5),
+    ("stop", ""), ("stop", ["ok", ""]),
+    ("stop_token_ids", [-1]),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_raises_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
