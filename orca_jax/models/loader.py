@@ -99,12 +99,23 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     if not config_file.exists():
         raise FileNotFoundError(f"{path} has no config.json")
     config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids + _generation_eos_ids(path))
     tensors = read_safetensors(path)
     params = hf_to_params(tensors, config)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(config, params, tokenizer, str(path))
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """Chat models often list extra end tokens (e.g. Llama 3's <|eot_id|>) only in
+    generation_config.json."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return ()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
