@@ -107,7 +107,8 @@ def truncate(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     keep_k = jnp.where(inputs.top_k > 0, jnp.minimum(inputs.top_k, V), V)
     # Nucleus: keep a token while the mass before it is below top_p (always keeps the first).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_p = jnp.sum(mass_before < inputs.top_p[:, None], axis=-1)
+    # top_p = 1 must keep everything: a float32 cumsum can reach 1.0 before the last token.
+    keep_p = jnp.where(inputs.top_p < 1, jnp.sum(mass_before < inputs.top_p[:, None], axis=-1), V)
     keep_min_p = jnp.sum(probs >= inputs.min_p[:, None] * probs[:, :1], axis=-1)
     keep = jnp.maximum(1, jnp.minimum(jnp.minimum(keep_k, keep_p), keep_min_p))
     cutoff = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)

@@ -184,6 +184,16 @@ def test_float64_matches_oracle_with_x64(window, cap):
     print(f"float64 max abs err {err:.3e}")
 
 
+@pytest.mark.parametrize("window", [10, 128, 129])
+def test_sliding_window_edges_at_kv_block_boundaries(window):
+    """Windows whose first visible key is the last slot of a 128-token KV block (pos 127) or
+    the first of the next (pos 128): a loop that starts one block late, or a mask off by one,
+    drops or adds exactly one key. Decode rows and prefill chunks both."""
+    seqs = [(1, 137), (4, 140), (1, 129), (3, 131), (1, 138), (2, 257)]
+    case = make_case(21, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    run_and_compare(case, sm_scale=0.125, sliding_window=window, tol=TOLERANCES["float32"])
+
+
 def test_padding_layout_of_build_batch():
     """Padding as build_batch writes it: rows past num_seqs have kv_len 0, page 0 only, and
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
