@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated transformers peers to run, from {','.join(PEERS)}")
     p.add_argument("--skip-peers", action="store_true", help="run orca_jax only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                   help="torch.set_num_threads for the transformers peers (default: os.cpu_count())")
     p.add_argument("--matmul-size", type=int, default=2048, help="square matmul size for the roofline rate")
     p.add_argument("--matmul-repeats", type=int, default=5)
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write every number here as JSON")
@@ -84,13 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = [str(Path(__file__)), *argv]  # for the record: the command that produced the numbers
     peers = [] if args.skip_peers else [s.strip() for s in args.peers.split(",") if s.strip()]
     unknown = [s for s in peers if s not in PEERS]
     if unknown:
         parser.error(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
     args.peer_list = peers
-    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "matmul_size", "matmul_repeats", "page_size"):
+    for name in ("num_requests", "torch_threads", "max_num_seqs", "max_num_batched_tokens", "matmul_size", "matmul_repeats", "page_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.scale <= 0:
@@ -223,6 +227,8 @@ def roofline(workload: Workload, flops: dict[str, float], rate: float, param_cou
         "flop_per_s": rate,
         # The brief's simple form: every processed token costs 2 * (params without the embedding lookup).
         "simple_processed_tokens_per_s": rate / (2.0 * param_counts["matmul_without_embedding_lookup"]),
+        "simple_useful_output_tokens_per_s": rate / (2.0 * param_counts["matmul_without_embedding_lookup"])
+        * workload.useful_output_tokens / workload.useful_processed_tokens,
         "ideal_seconds": ideal_s,
         "useful_output_tokens_per_s": workload.useful_output_tokens / ideal_s,
         "processed_tokens_per_s": workload.useful_processed_tokens / ideal_s,
@@ -272,10 +278,11 @@ def start_orca(args) -> dict[str, Any]:
                        dtype=args.dtype, page_size=args.page_size)
     if args.max_model_len is not None:
         engine_args["max_model_len"] = args.max_model_len
+    rss_before = current_rss_bytes()  # interpreter + jax/transformers imports, nothing loaded yet
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine_args)
     startup_s = time.perf_counter() - start
-    return {"llm": llm, "engine_args": engine_args, "startup_s": startup_s}
+    return {"llm": llm, "engine_args": engine_args, "startup_s": startup_s, "rss_before_engine_bytes": rss_before}
 
 
 def run_orca(llm, workload: Workload) -> dict[str, Any]:
@@ -360,7 +367,12 @@ def _greedy_no_eos_config(hf, **overrides):
 
 
 def _static_generate(hf, prompts: list[list[int]], max_new: int, gen_config, pad: int):
+    import copy
+
     import torch
+
+    gen_config = copy.deepcopy(gen_config)
+    gen_config.max_new_tokens, gen_config.min_new_tokens = max_new, None
 
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -369,8 +381,7 @@ def _static_generate(hf, prompts: list[list[int]], max_new: int, gen_config, pad
         ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[row, width - len(p):] = 1
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                          max_new_tokens=max_new, min_new_tokens=0)
+        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
     if tuple(out.shape) != (len(prompts), width + max_new):
         raise BenchmarkError(
             f"hf_static: generate returned shape {tuple(out.shape)}, expected {(len(prompts), width + max_new)} "
@@ -424,6 +435,7 @@ def run_hf_continuous(hf, workload: Workload, args) -> dict[str, Any]:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen_config, _ = _greedy_no_eos_config(hf, max_new_tokens=max(workload.output_lens))
+    gen_config.eos_token_id = -1  # the manager's own spelling of "no EOS" (None makes it warn, then use -1)
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
     pages_per_seq = -(-longest // args.page_size)
     cb_config = ContinuousBatchingConfig(
@@ -449,7 +461,9 @@ def run_hf_continuous(hf, workload: Workload, args) -> dict[str, Any]:
         warm_id = manager.add_request(workload.prompts[0][:8], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
         if warm_id is None:
             raise BenchmarkError("hf_continuous: the manager refused the warm-up request")
-        _collect_cb(manager, [warm_id])
+        warm = _collect_cb(manager, [warm_id])[warm_id]
+        if warm.error is not None:
+            raise BenchmarkError(f"hf_continuous: the warm-up request failed: {warm.error}")
         warmup_s = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -489,7 +503,8 @@ def machine_info() -> dict[str, Any]:
     import jax
 
     info: dict[str, Any] = {
-        "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "python": platform.python_version(), "python_executable": sys.executable,
+        "cpu_count": os.cpu_count(),
         "jax": jax.__version__, "jax_backend": jax.default_backend(), "jax_devices": [str(d) for d in jax.devices()],
         "numpy": np.__version__,
     }
@@ -534,16 +549,20 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
+
+
 def format_report(result: dict[str, Any]) -> str:
     w, roof, mem, mm = result["workload"], result["roofline"], result["memory"], result["matmul"]
-    gib = 2**30
     orca = result["systems"][0]
     lines = [
         f"model: {result['model']}",
         f"workload: {w['num_requests']} requests, input U{list(w['input_range'])} (mean {w['mean_input_len']:.1f}), "
         f"output U{list(w['output_range'])} (mean {w['mean_output_len']:.1f}), EOS ignored, greedy, seed {result['args']['seed']}",
-        f"torch threads: torch.set_num_threads({result['torch_num_threads']}) (os.cpu_count()); "
-        f"orca_jax dtype {orca['dtype']}, transformers peers float32",
+        (f"torch threads: torch.set_num_threads({result['torch_num_threads']}) "
+         f"(os.cpu_count() = {result['machine']['cpu_count']}); " if result["torch_num_threads"] else "")
+        + f"orca_jax dtype {orca['dtype']}, transformers peers float32",
         "",
         format_table(result),
         "",
@@ -559,12 +578,14 @@ def format_report(result: dict[str, Any]) -> str:
         f"attention {result['flops']['attention'] / 1e9:.1f}) -> ideal {roof['ideal_seconds']:.2f} s, "
         f"{roof['useful_output_tokens_per_s']:.1f} useful output tok/s "
         f"(simple rate / (2 * {result['params']['matmul_without_embedding_lookup'] / 1e6:.1f}M params): "
-        f"{roof['simple_processed_tokens_per_s']:.1f} processed tok/s)",
-        f"memory: orca_jax weights {mem['orca_weight_bytes'] / gib:.3f} GiB + KV cache {mem['orca_kv_cache_bytes'] / gib:.3f} GiB "
+        f"{roof['simple_processed_tokens_per_s']:.1f} processed = "
+        f"{roof['simple_useful_output_tokens_per_s']:.1f} useful output tok/s)",
+        f"memory: orca_jax weights {_gib(mem['orca_weight_bytes'])} + KV cache {_gib(mem['orca_kv_cache_bytes'])} "
         f"({orca['num_kv_pages']} pages x {orca['page_size']} tokens, max_model_len {orca['max_model_len']}); "
-        f"peak RSS after orca_jax {mem['peak_rss_after_orca_bytes'] / gib:.3f} GiB "
-        f"(beyond weights + cache: {mem['peak_rss_after_orca_minus_weights_and_cache_bytes'] / gib:.3f} GiB), "
-        f"RSS after its run {mem['rss_after_orca_bytes'] / gib:.3f} GiB; process peak {mem['peak_rss_bytes'] / gib:.3f} GiB",
+        f"peak RSS after orca_jax {_gib(mem['peak_rss_after_orca_bytes'])} "
+        f"(beyond weights + cache: {_gib(mem['peak_rss_after_orca_minus_weights_and_cache_bytes'])}), "
+        f"RSS before the engine (imports only) {_gib(mem['rss_before_orca_engine_bytes'])}, after its run "
+        f"{_gib(mem['rss_after_orca_bytes'])}; process peak {_gib(mem['peak_rss_bytes'])}",
     ]
     return "\n".join(lines)
 
@@ -579,13 +600,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.peer_list:
         import torch
 
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(args.torch_threads)
         torch_threads = torch.get_num_threads()
 
-    matmul = measure_matmul_rate(args.matmul_size, args.matmul_repeats,
-                                 extra_jax_dtypes=("bfloat16",) if args.dtype == "bfloat16" else ())
-
-    # orca_jax first, so the peak RSS read after it is its own (plus the matmul buffers).
+    # orca_jax first, so the peak RSS read after it is its own.
     orca_start = start_orca(args)
     llm = orca_start["llm"]
     tokenizer = llm.get_tokenizer()
@@ -597,6 +615,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     memory = {
         "orca_weight_bytes": orca["weight_bytes"],
         "orca_kv_cache_bytes": orca["kv_cache_bytes"],
+        "rss_before_orca_engine_bytes": orca_start["rss_before_engine_bytes"],
         "peak_rss_after_orca_bytes": peak_rss_bytes(),
         "rss_after_orca_bytes": current_rss_bytes(),
     }
@@ -621,13 +640,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
     memory["peak_rss_bytes"] = peak_rss_bytes()
 
+    matmul = measure_matmul_rate(args.matmul_size, args.matmul_repeats,
+                                 extra_jax_dtypes=("bfloat16",) if args.dtype == "bfloat16" else ())
     flops = workload_flops(workload, model_config, param_counts)
     roof = roofline(workload, flops, matmul["roofline_flop_per_s"], param_counts)
     add_ratios(systems, roof)
     return {
         "benchmark": "throughput",
         "date": started.isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *getattr(args, "argv", sys.argv)]),
+        "command": shlex.join(["python", *args.argv]),
         "args": {k: v for k, v in vars(args).items() if k not in ("argv",)},
         "model": model_source or _default_model_name(),
         "machine": machine_info(),
@@ -659,11 +680,12 @@ def _default_model_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    args.argv = [str(Path(__file__)), *argv]
+    # transformers' GGUF conversion bar (plain tqdm) would bury the table; tqdm reads this at import.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     if args.peer_list:
-        print(f"torch.set_num_threads({os.cpu_count()}) (os.cpu_count())", flush=True)
+        print(f"transformers peers: torch.set_num_threads({args.torch_threads}) (os.cpu_count() = {os.cpu_count()})",
+              flush=True)
     try:
         result = run_benchmark(args)
     except Exception as exc:  # one clear line, then the traceback; never a partial table
