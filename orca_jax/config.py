@@ -32,6 +32,9 @@ class ModelConfig:
     # llama3-style frequency scaling: dict with factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings. None means plain RoPE.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # Per-frequency divisors stored in llama.cpp files (GGUF `rope_freqs.weight`, written for
+    # llama3-scaled models instead of the scaling parameters).
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False

@@ -56,12 +56,13 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
 
     def _truncate_at_stop(self, search_from: int) -> str | None:
-        for stop in self.stop:
-            at = self.text.find(stop, search_from)
-            if at >= 0:
-                self.text = self.text[: at + len(stop)] if self.include_stop_str_in_output else self.text[:at]
-                return stop
-        return None
+        """Cut at the earliest stop string in the text (one token can complete several)."""
+        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) >= 0]
+        if not found:
+            return None
+        at, stop = min(found, key=lambda f: f[0])
+        self.text = self.text[: at + len(stop)] if self.include_stop_str_in_output else self.text[:at]
+        return stop
 
     def take_delta(self, finished: bool) -> str:
         """New text for a stream. While running, the last characters that could still begin a

@@ -81,6 +81,8 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
         text, token_ids = self._tokenize(prompt)
         self._validate_lengths(token_ids, params)
         seqs = [
@@ -213,7 +215,8 @@ class LLMEngine:
             self.runner.kv_cache = create_kv_cache(
                 self.model_config, self.runner.num_pages, self.config.page_size, self.runner.dtype
             )
-            for seq in list(self.scheduler.running):
+            # Newest first: each preemption requeues at the front, so arrival order survives.
+            for seq in reversed(list(self.scheduler.running)):
                 self.scheduler.preempt(seq)
         return list(failed.values())
 

@@ -37,6 +37,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: deque[int] = deque(range(1, num_pages))
+        self._is_free = [False] + [True] * (num_pages - 1)  # catches double frees cheaply
 
     @property
     def num_free(self) -> int:
@@ -59,9 +60,18 @@ class PageAllocator:
     def allocate(self, num_pages: int) -> list[int]:
         if num_pages > len(self._free):
             raise OutOfPagesError(f"asked for {num_pages} pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(num_pages)]
+        pages = [self._free.popleft() for _ in range(num_pages)]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
 
     def free(self, pages: list[int]) -> None:
+        """Return pages to the pool. A page freed twice (or page 0) would later get two owners,
+        so it is an error here rather than silent corruption there."""
+        for page in pages:
+            if page == PADDING_PAGE or self._is_free[page]:
+                raise ValueError(f"page {page} is not allocated (double free or padding page)")
+            self._is_free[page] = True
         self._free.extend(pages)
 
     def grow_to(self, pages: list[int], num_tokens: int) -> bool:

@@ -58,7 +58,8 @@ class ModelRunner:
         self.num_pages = choose_num_pages(config, model_config, self.dtype)
         self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.dtype)
         self.inv_freq = jnp.asarray(rope_inv_freq(
-            model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict
+            model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict,
+            model_config.rope_freq_factors,
         ))
         self._step = jax.jit(
             functools.partial(model_step, self.model, config.max_logprobs), donate_argnames=("kv_cache",)

@@ -52,12 +52,16 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(self.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """Inverse frequencies (float32, computed as transformers does), with llama3 scaling."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  freq_factors: tuple[float, ...] | None = None) -> np.ndarray:
+    """Inverse frequencies (float32, computed as transformers does), with llama3 scaling given
+    either as parameters (HF) or as per-frequency divisors (GGUF)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling:
         inv_freq = _llama3_scale(inv_freq, **scaling)
+    if freq_factors is not None:
+        inv_freq = (inv_freq / np.asarray(freq_factors, np.float32)).astype(np.float32)
     return inv_freq
 
 

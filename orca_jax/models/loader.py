@@ -99,7 +99,8 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     if not config_file.exists():
         raise FileNotFoundError(f"{path} has no config.json")
     config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
-    config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids + _generation_eos_ids(path))
+    eos_ids = tuple(dict.fromkeys(config.eos_token_ids + _generation_eos_ids(path)))
+    config = dataclasses.replace(config, eos_token_ids=eos_ids)
     tensors = read_safetensors(path)
     params = hf_to_params(tensors, config)
     from transformers import AutoTokenizer
@@ -214,16 +215,24 @@ def _load_gguf(path: Path) -> LoadedModel:
     big = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
     meta = {name: _field_value(field) for name, field in reader.fields.items() if name not in big}
     names = {tensor.name for tensor in reader.tensors}
-    config = dataclasses.replace(gguf_config(meta), tie_word_embeddings="output.weight" not in names)
+    config = dataclasses.replace(
+        gguf_config(meta),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+    )
     tensors = {}
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
         weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        if tensor.name == "rope_freqs.weight":
+            config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in weights))
+            continue
+        hf_name = gguf_to_hf_name(tensor.name)
         # llama.cpp stores Q and K rows permuted for its interleaved RoPE; undo it to get the
         # rotate-half layout that transformers (and this model) use.
-        if hf_name.endswith("q_proj.weight"):
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weights = unpermute_rope_rows(weights, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         tensors[hf_name] = weights
     config = dataclasses.replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
