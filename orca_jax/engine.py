@@ -8,6 +8,7 @@ touches the scheduler) and leave when every sample has finished or on `abort`.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import time
@@ -29,6 +30,15 @@ from orca_jax.scheduler import Scheduler
 from orca_jax.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+def release_free_host_memory() -> None:
+    """Hand memory freed after loading (host copies of the weights) back to the OS; glibc keeps
+    it otherwise, and resident memory would stay one weight copy too high."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 @dataclass
@@ -59,7 +69,10 @@ class LLMEngine:
         self.config = config.resolve(loaded.config)
         self.tokenizer = loaded.tokenizer
         self.attention_impl = resolve_impl(self.config.attention_impl)
-        self.runner = ModelRunner(loaded.config, self.config, loaded.params, self.attention_impl)
+        params, loaded.params = loaded.params, None  # the runner takes the only reference
+        self.runner = ModelRunner(loaded.config, self.config, params, self.attention_impl)
+        del params
+        release_free_host_memory()
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(self.config, self.allocator)
         self.eos_token_ids = set(loaded.config.eos_token_ids)

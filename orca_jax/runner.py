@@ -48,13 +48,21 @@ def model_step(model: LlamaForCausalLM, max_logprobs: int, params, kv_cache, bat
     return kv_cache, sample(logits, batch.sampling, max_logprobs)
 
 
+def to_device_consuming(tree: dict, dtype) -> dict:
+    """Move a nested dict of numpy arrays to the device, dropping each host array as soon as
+    its copy exists (peak memory: one copy of the weights, not two)."""
+    for key, value in tree.items():
+        tree[key] = to_device_consuming(value, dtype) if isinstance(value, dict) else jnp.asarray(value, dtype)
+    return tree
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str):
         self.model_config = model_config
         self.config = config
         self.dtype = jnp.dtype(config.dtype)
         self.model = LlamaForCausalLM(model_config, attention_impl, self.dtype)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
+        self.params = to_device_consuming(params, self.dtype)
         self.num_pages = choose_num_pages(config, model_config, self.dtype)
         self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.dtype)
         self.inv_freq = jnp.asarray(rope_inv_freq(

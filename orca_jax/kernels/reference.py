@@ -48,7 +48,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     q_block: int = 32,
-    kv_block_tokens: int = 128,
+    kv_block_tokens: int = 64,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Two passes, so that no token pays for another sequence's context:
 

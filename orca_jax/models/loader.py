@@ -142,16 +142,24 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def hf_to_params(t: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
-    """HF Llama names and PyTorch layouts -> the Flax tree of `LlamaForCausalLM`."""
+    """HF Llama names and PyTorch layouts -> the Flax tree of `LlamaForCausalLM`.
+
+    Consumes `t`: each tensor leaves the dict as it is converted, so peak memory stays near one
+    copy of the weights instead of two."""
     D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
     def get(name):
         if name not in t:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return t[name]
+        return t.pop(name)
 
     def per_layer(suffix, convert):
-        return np.stack([convert(get(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)])
+        first = convert(get(f"model.layers.0.{suffix}"))
+        stacked = np.empty((c.num_layers, *first.shape), first.dtype)
+        stacked[0] = first
+        for i in range(1, c.num_layers):
+            stacked[i] = convert(get(f"model.layers.{i}.{suffix}"))
+        return stacked
 
     attn = {
         "q_proj": {"kernel": per_layer("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H))},
