@@ -316,7 +316,7 @@ def run_orca(llm, workload: Workload) -> dict[str, Any]:
     import jax
 
     weight_bytes = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(engine.runner.params))
-    kv_bytes = engine.runner.num_pages * kv_bytes_per_page(engine.model_config, engine.config.page_size, engine.runner.dtype)
+    kv_bytes = engine.runner.num_pages * kv_bytes_per_page(engine.model_config, engine.config.page_size, engine.runner.kv_dtype)
     if compiles:
         logger.warning("orca_jax compiled %d XLA program(s) during the timed run", compiles)
     return _result(

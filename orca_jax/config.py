@@ -123,6 +123,9 @@ class EngineConfig:
 
     model: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto": the model dtype, except float32 on CPU, where XLA has no bfloat16 scatter/gather
+    # and would convert the whole cache around every KV write and read.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length, capped at 4096
@@ -144,6 +147,8 @@ class EngineConfig:
         errors = []
         if self.dtype not in DTYPES:
             errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            errors.append(f"kv_cache_dtype must be 'auto' or one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling not in SCHEDULING_POLICIES:
             errors.append(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -176,6 +181,11 @@ class EngineConfig:
             self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens)
         )
         return dataclasses.replace(self, max_model_len=max_len, token_buckets=buckets)
+
+    def resolved_kv_cache_dtype(self, backend: str) -> str:
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "float32" if backend == "cpu" else self.dtype
 
     @property
     def max_pages_per_seq(self) -> int:

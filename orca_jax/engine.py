@@ -226,7 +226,7 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
         if self.runner.kv_cache.is_deleted():
             self.runner.kv_cache = create_kv_cache(
-                self.model_config, self.runner.num_pages, self.config.page_size, self.runner.dtype
+                self.model_config, self.runner.num_pages, self.config.page_size, self.runner.kv_dtype
             )
             # Newest first: each preemption requeues at the front, so arrival order survives.
             for seq in reversed(list(self.scheduler.running)):

@@ -63,8 +63,9 @@ class ModelRunner:
         self.dtype = jnp.dtype(config.dtype)
         self.model = LlamaForCausalLM(model_config, attention_impl, self.dtype)
         self.params = to_device_consuming(params, self.dtype)
-        self.num_pages = choose_num_pages(config, model_config, self.dtype)
-        self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.dtype)
+        self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
+        self.num_pages = choose_num_pages(config, model_config, self.kv_dtype)
+        self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.kv_dtype)
         self.inv_freq = jnp.asarray(rope_inv_freq(
             model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict,
             model_config.rope_freq_factors,
