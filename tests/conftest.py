@@ -64,6 +64,19 @@ def make_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """PyTorch is only the reference in tests. On a small shared CPU its OpenMP threads spin-wait
+    against JAX's and the other test processes (a 135M forward is ~6x slower with 2 threads
+    than with 1), so run it single-threaded and restore the setting afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_factory(tmp_path_factory):
     """make(**LlamaConfig overrides) -> directory of a saved random model (cached per settings)."""

@@ -10,7 +10,8 @@ import torch
 from orca_jax import LLM, SamplingParams
 from orca_jax.models.loader import default_model_path
 
-pytestmark = pytest.mark.slow
+# Loads the real default model. PyTorch is the reference: single-threaded (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
 
 NUM_TOKENS = 32
 CONVERSATIONS = [
@@ -22,15 +23,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _torch_single_thread():
-    """PyTorch is only the reference here. On a small shared CPU its OpenMP threads spin-wait
-    against JAX's and the other test processes (a 135M forward is ~6x slower with 2 threads
-    than with 1), so run it single-threaded and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

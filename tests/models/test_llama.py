@@ -59,15 +59,8 @@ LATE_PROMPT_LENGTH = 9  # arrives after a few steps: joins a running batch
 MAX_TOKENS = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _torch_single_thread():
-    """PyTorch is only the reference here. On a small shared CPU its OpenMP threads spin-wait
-    against JAX's and the other test processes (a 135M forward is ~6x slower with 2 threads
-    than with 1), so run it single-threaded and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# PyTorch is the reference here; run it single-threaded (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def _model_dir(factory, tmp_path_factory, name: str) -> Path:

@@ -25,15 +25,8 @@ from orca_jax.models.loader import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _torch_single_thread():
-    """PyTorch is only the reference here. On a small shared CPU its OpenMP threads spin-wait
-    against JAX's and the other test processes (a 135M forward is ~6x slower with 2 threads
-    than with 1), so run it single-threaded and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# PyTorch is the reference here; run it single-threaded (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def _hf_model(directory: Path):
