@@ -67,7 +67,7 @@ class Scheduler:
         for seq in decoding + prefilling:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted to make room for an earlier sequence
-            granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget))
+            granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget), scheduled)
             if granted:
                 scheduled.append((seq, granted))
                 budget -= granted
@@ -85,17 +85,19 @@ class Scheduler:
             scheduled.append((seq, chunk))
             budget -= chunk
 
-    def _reserve_or_preempt(self, seq: Sequence, desired: int) -> int:
+    def _reserve_or_preempt(self, seq: Sequence, desired: int, scheduled: ScheduledBatch) -> int:
         """Pages for up to `desired` new tokens of a running sequence, preempting the most
-        recently admitted sequences while none are free. Returns the tokens granted; 0 when
-        `seq` itself had to be preempted."""
+        recently admitted sequences not already in this step while none are free. Returns the
+        tokens granted; 0 when `seq` itself had to be preempted."""
+        in_step = {id(s) for s, _ in scheduled}
         while True:
             room = (len(seq.page_ids) + self.allocator.num_free) * self.allocator.page_size
             granted = min(desired, room - seq.num_computed_tokens)
             if granted >= 1:
                 self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + granted)
                 return granted
-            victim = self.running[-1]
+            # `seq` itself is not in the step yet, so a victim always exists.
+            victim = next(s for s in reversed(self.running) if id(s) not in in_step)
             self.preempt(victim)
             if victim is seq:
                 return 0

@@ -336,3 +336,27 @@ def test_tiny_pool_forces_preemption(page_size):
     assert sched.num_preemptions > 0
     sched = simulate(config_kw, reqs, "request")
     assert sched.num_preemptions == 0
+
+
+def test_preemption_never_evicts_a_sequence_already_in_the_step():
+    """An older sequence still in prefill needs pages while a newer one has already been given
+    its decode token: the victim must be the older one itself, never the scheduled one."""
+    sched = make_scheduler(num_pages=4, page_size=4, max_num_batched_tokens=16)
+    prefilling = Sequence(0, "old", 0, list(range(12)), SamplingParams(temperature=0, max_tokens=4), 0)
+    decoding = Sequence(1, "new", 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), 0)
+    prefilling.page_ids = sched.allocator.allocate(1)   # 4 of 12 prompt tokens cached
+    prefilling.num_computed_tokens = 4
+    decoding.page_ids = sched.allocator.allocate(2)     # room for its next token
+    decoding.output_token_ids = [7]
+    decoding.num_computed_tokens = 3
+    for seq in (prefilling, decoding):
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+    assert sched.allocator.num_free == 0
+
+    scheduled = sched.schedule()
+
+    assert [(s.request_id, n) for s, n in scheduled] == [("new", 1)]
+    assert decoding.status is SequenceStatus.RUNNING and len(decoding.page_ids) == 2
+    assert prefilling.status is SequenceStatus.WAITING and prefilling.page_ids == []
+    assert list(sched.waiting) == [prefilling]
