@@ -134,11 +134,13 @@ class LLMEngine:
                 f"prompt is {len(token_ids)} tokens, but max_model_len is {max_len}: "
                 "it must leave room for at least one generated token"
             )
+        # Each of the n samples is its own sequence and can run alone (the scheduler preempts
+        # or waits), so only one sequence at full length has to fit in the pool.
         needed = self.allocator.pages_needed(min(len(token_ids) + params.max_tokens, max_len))
-        if needed * params.n > self.allocator.num_usable:
+        if needed > self.allocator.num_usable:
             raise ValueError(
-                f"request needs {needed * params.n} KV pages at full length, the cache has "
-                f"{self.allocator.num_usable}; lower max_tokens or n, or raise num_pages"
+                f"request needs {needed} KV pages at full length, the cache has "
+                f"{self.allocator.num_usable}; lower max_tokens or raise num_pages"
             )
 
     def _sample_seed(self, params: SamplingParams, index: int) -> int:

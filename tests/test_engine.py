@@ -261,11 +261,19 @@ def test_prompt_at_the_limit_is_accepted(engine):
     assert len(out.token_ids) == 1 and out.finish_reason == "length", "max_model_len caps the output"
 
 
-def test_request_too_large_for_the_cache_is_rejected(engine, reference):
-    # 23 usable pages of 8 tokens: 3 samples of ~110 tokens cannot fit at once.
-    with pytest.raises(ValueError, match="KV pages"):
-        engine.add_request("too-big", [5] * 100, SamplingParams(max_tokens=10, n=3))
+def test_samples_that_fit_only_one_at_a_time_still_complete(engine, reference):
+    # 23 usable pages of 8 tokens: 3 samples of 110 tokens cannot be cached at once, but each
+    # fits alone, so the scheduler runs them by turns (preempting or waiting).
+    out = run_alone(engine, [5] * 100, SamplingParams(max_tokens=10, n=3, ignore_eos=True, temperature=0.7, seed=1))
+    assert [len(c.token_ids) for c in out.outputs] == [10, 10, 10]
     assert_serves_normally(engine, reference)
+
+
+def test_sequence_larger_than_the_whole_cache_is_rejected(tiny_engine_factory):
+    small = tiny_engine_factory(num_pages=8, page_size=8, max_model_len=128, warmup=False)  # 56 tokens
+    with pytest.raises(ValueError, match="needs 13 KV pages.*has 7"):
+        small.add_request("too-big", [5] * 90, SamplingParams(max_tokens=10))
+    assert not small.has_unfinished_requests()
 
 
 def test_bad_types_are_rejected(engine, reference):
@@ -549,3 +557,19 @@ def test_streamed_deltas_add_up(engine, params):
         assert tokens == completion.token_ids
     assert len(history["stream"]) > 1, "tokens were streamed step by step"
     assert_idle(engine)
+
+
+def test_persistent_compilation_cache_is_written(tiny_llama_dir, tmp_path):
+    """`compilation_cache_dir` turns on JAX's persistent cache (a process-wide setting, so
+    checked in a child process): warm-up leaves compiled programs on disk."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla-cache"
+    code = (
+        "from orca_jax import LLMEngine\n"
+        f"LLMEngine(model={str(tiny_llama_dir)!r}, max_num_seqs=2, max_num_batched_tokens=16,"
+        f" page_size=8, num_pages=16, max_model_len=64, compilation_cache_dir={str(cache)!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert cache.is_dir() and any(cache.iterdir())
