@@ -1,9 +1,14 @@
-"""`orca-jax` command line: `orca-jax generate "PROMPT"` streams a completion to the terminal."""
+"""`orca-jax` command line.
+
+    orca-jax generate "PROMPT"   stream one completion to the terminal
+    orca-jax serve               OpenAI-compatible HTTP server (see orca_jax/server.py)
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from orca_jax.config import EngineConfig
@@ -17,27 +22,29 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-impl", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size)
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
 
 
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        attention_impl=args.attention_impl,
+        attention_impl=args.attention_impl, tensor_parallel_size=args.tensor_parallel_size,
+        page_size=args.page_size, num_pages=args.num_pages,
     )
 
 
 def cmd_generate(args) -> int:
     from orca_jax.engine import LLMEngine
+    from orca_jax.llm import apply_chat_template
 
     # One prompt uses few buckets: compile them as they come rather than all up front.
     engine = LLMEngine(_engine_config(args), warmup=False)
     prompt = args.prompt
     if args.chat:
-        text = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     engine.add_request("cli", prompt, params)
     while engine.has_unfinished_requests():
@@ -46,6 +53,36 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from orca_jax.engine import LLMEngine
+    from orca_jax.server import ServerSettings, serve
+
+    engine = LLMEngine(_engine_config(args))  # warm-up compiles every bucket before the port opens
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+    )
+    serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
+          log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout)
+    return 0
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from orca_jax.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("ORCA_JAX_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ORCA_JAX_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="queued requests before new ones get 503 with Retry-After")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="larger request bodies get 413")
+    parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                        help="seconds to wait for open connections at shutdown")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(srv)
+    _add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -67,12 +67,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-        # The template writes its own special tokens: do not add a second BOS.
-        return tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
@@ -89,6 +84,16 @@ class LLM:
             bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
         bar.close()
         return [finished[r] for r in request_ids]
+
+
+def apply_chat_template(tokenizer, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+    """Prompt token ids of a conversation under the tokenizer's chat template (shared by
+    LLM.chat, the CLI and the server)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    # The template writes its own special tokens: do not add a second BOS.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

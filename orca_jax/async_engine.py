@@ -1,0 +1,355 @@
+"""AsyncLLMEngine: the engine stepped by one background thread, requests as asyncio streams.
+
+`LLMEngine` is not thread-safe, so exactly one thread, the engine thread, ever calls its
+add_request / abort / step. Everyone else talks to that thread through an inbox guarded by a
+`threading.Condition`:
+
+    event loop thread                         engine thread
+    -----------------                         -------------
+    add_request() -> inbox.adds, notify  -->  wait until there is work
+    abort()       -> inbox.aborts, notify     admit adds, apply aborts (between steps)
+                                              step() while any request is live
+    RequestStream <-- call_soon_threadsafe <--   outputs of the step
+
+While no request is live the engine thread sleeps on the condition; it never polls. Outputs
+go back to the event loop in one callback per step, so a stream is only ever touched by the
+loop that reads it. An abort frees the request's pages at the next step boundary, whichever
+thread asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orca_jax.engine import LLMEngine
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# After an error the engine thread could not attribute to one request (or a step that could do
+# nothing), wait this long before the next try, so that a persistent fault is not a hot loop.
+_FAULT_BACKOFF_S = 0.05
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the request was not queued (retry later)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The request failed inside a step (or the engine failed under it)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent picture of the engine, published by the engine thread after every change."""
+
+    num_running: int = 0  # requests with a sequence in the running batch
+    num_waiting: int = 0  # requests queued for admission (including preempted ones)
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    num_preemptions: int = 0  # since start
+    num_steps: int = 0  # model steps since start
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator that ends after the output
+    marked finished. An output carrying an error raises RequestFailedError instead."""
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._on_abort = on_abort
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            if item.error:
+                raise RequestFailedError(item.error)
+        return item
+
+    def abort(self) -> None:
+        """Stop the request if it is still live (safe to call more than once)."""
+        if not self.finished:
+            self.finished = True
+            self._on_abort(self.request_id)
+
+
+@dataclass
+class _PendingAdd:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    admitted: asyncio.Future  # resolved by the engine thread: None, or the add_request error
+
+
+@dataclass
+class _Inbox:
+    adds: list[_PendingAdd] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    abort_everything: bool = False
+    stop: bool = False
+
+
+class AsyncLLMEngine:
+    """Runs an LLMEngine on a background thread for an asyncio server.
+
+    max_waiting_requests bounds the requests queued for admission (inbox plus the scheduler's
+    waiting queue); past it, add_request raises QueueFullError instead of queueing, so a burst
+    turns into fast 503s rather than unbounded memory. on_output, if given, sees every output
+    on the engine thread (for metrics); it must be thread-safe and quick.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 on_output: Callable[[RequestOutput], None] | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._on_output = on_output
+        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._accepting = True
+        self._stats = self._snapshot()
+        self._streams: dict[str, RequestStream] = {}  # event loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.num_wakeups = 0  # engine-thread loop iterations: flat while idle (no polling)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="orca-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._accepting
+
+    def begin_shutdown(self) -> None:
+        """Take no new requests and abort every live one. Safe from any thread, but not from a
+        signal handler (it takes a lock): schedule it on the loop from there."""
+        with self._cond:
+            self._accepting = False
+            self._inbox.abort_everything = True
+            self._cond.notify()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort everything, stop the engine thread and wait for it."""
+        with self._cond:
+            self._accepting = False
+            self._inbox.abort_everything = True
+            self._inbox.stop = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---- requests (event loop thread) --------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request and wait until the engine has accepted it. Raises what
+        LLMEngine.add_request raises for a bad request (ValueError, TypeError), QueueFullError
+        or EngineStoppedError; returns the stream of its outputs."""
+        if self._loop is None:
+            raise RuntimeError("call start() first")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        admitted = self._loop.create_future()
+        with self._cond:
+            if not self._accepting:
+                raise EngineStoppedError("the server is shutting down")
+            if self._queue_is_full():
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
+            self._inbox.adds.append(_PendingAdd(request_id, prompt, params, admitted))
+            self._cond.notify()
+        stream = RequestStream(request_id, self.abort)
+        self._streams[request_id] = stream
+        try:
+            await admitted
+        except BaseException:  # rejected, or the caller went away while it was queued
+            self._streams.pop(request_id, None)
+            if not admitted.done() or admitted.cancelled():
+                self.abort(request_id)
+            raise
+        return stream
+
+    def _queue_is_full(self) -> bool:
+        if self.max_waiting_requests is None:
+            return False
+        # The stats are republished under the lock whenever adds leave the inbox, so a request
+        # is counted in exactly one of the two places.
+        return self._stats.num_waiting + len(self._inbox.adds) >= self.max_waiting_requests
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its pages are freed at the next step boundary."""
+        with self._cond:
+            self._inbox.aborts.append(request_id)
+            self._cond.notify()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- delivery (event loop thread) --------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # its reader already went away
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all_streams(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream._put(RequestFailedError(message))
+        self._streams.clear()
+
+    def _call_in_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to read
+            pass
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._apply_inbox():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not silently stop serving
+                logger.exception("engine thread error; failing all live requests")
+                self._abort_all_after_fault(f"{type(exc).__name__}: {exc}")
+        self._drain_aborted()
+        logger.info("engine thread stopped")
+
+    def _apply_inbox(self) -> bool:
+        """Sleep until there is work, then apply adds and aborts. Returns True to stop. The lock
+        is held while adds move into the engine so the queue limit never misses a request."""
+        with self._cond:
+            while not self._has_work():
+                self._cond.wait()
+            self.num_wakeups += 1
+            inbox, self._inbox = self._inbox, _Inbox()
+            # A stop request stays in force: later adds keep being rejected.
+            self._inbox.stop = inbox.stop
+            for pending in inbox.adds:  # before aborts: an abort may be for one of these
+                self._admit(pending, reject=inbox.stop or inbox.abort_everything)
+            for request_id in inbox.aborts:
+                self.engine.abort(request_id)
+            if inbox.abort_everything:
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+            self._stats = self._snapshot()
+            return inbox.stop
+
+    def _has_work(self) -> bool:
+        inbox = self._inbox
+        return bool(inbox.adds or inbox.aborts or inbox.abort_everything or inbox.stop
+                    or self.engine.has_unfinished_requests())
+
+    def _admit(self, pending: _PendingAdd, reject: bool) -> None:
+        error: BaseException | None = EngineStoppedError("the server is shutting down") if reject else None
+        if error is None:
+            try:
+                self.engine.add_request(pending.request_id, pending.prompt, pending.params)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                error = exc
+        self._call_in_loop(_resolve, pending.admitted, error)
+
+    def _step(self) -> None:
+        steps_before = self.engine.num_steps
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the engine thread must survive
+            # LLMEngine.step already turns a failed model call into errors for the requests of
+            # that step; reaching here means the host bookkeeping itself failed, so no request
+            # can be trusted: fail them all and start clean.
+            logger.exception("engine step failed outside the model call; failing all live requests")
+            self._abort_all_after_fault(f"{type(exc).__name__}: {exc}")
+            return
+        with self._cond:
+            self._stats = self._snapshot()
+        self._observe(outputs)
+        if outputs:
+            self._call_in_loop(self._deliver, outputs)
+        elif self.engine.num_steps == steps_before:
+            # Live requests, yet nothing could be scheduled and nothing was reported. The
+            # scheduler should never leave it so; if it does, wait rather than spin.
+            with self._cond:
+                self._cond.wait(_FAULT_BACKOFF_S)
+
+    def _abort_all_after_fault(self, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - best effort: the state is already suspect
+                logger.exception("abort of %s failed", request_id)
+        self._call_in_loop(self._fail_all_streams, message)
+        with self._cond:
+            self._cond.wait(_FAULT_BACKOFF_S)
+
+    def _drain_aborted(self) -> None:
+        """At stop: report the aborts, so every reader sees its stream end."""
+        for _ in range(3):  # one step reports all aborts; a spare try covers a fault
+            if not self.engine.has_unfinished_requests():
+                break
+            self._step()
+        self._call_in_loop(self._fail_all_streams, "the server shut down")
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        if self._on_output is None:
+            return
+        for output in outputs:
+            try:
+                self._on_output(output)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("on_output callback failed")
+
+    def _snapshot(self) -> EngineStats:
+        scheduler, allocator = self.engine.scheduler, self.engine.allocator
+        return EngineStats(
+            num_running=len({seq.request_id for seq in scheduler.running}),
+            num_waiting=len({seq.request_id for seq in scheduler.waiting}),
+            kv_pages_used=allocator.num_used,
+            kv_pages_total=allocator.num_usable,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.engine.num_steps,
+        )
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled; add_request already queued its abort
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

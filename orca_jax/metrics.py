@@ -1,0 +1,92 @@
+"""Prometheus metrics of the server, all prefixed `orca_`.
+
+Per-request numbers (finish reasons, latencies, token counts) are observed from the engine
+thread as outputs arrive (`ServerMetrics.observe`). Engine state (queue lengths, KV pages,
+preemptions) is read from the async engine's latest stats snapshot at scrape time by a custom
+collector, so a scrape never touches the engine itself. Each server owns its registry: two
+servers in one process (tests) do not share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from orca_jax.async_engine import EngineStats
+from orca_jax.outputs import RequestOutput
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineStatsCollector:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        gauges = [
+            ("orca_num_requests_running", "Requests with a sequence in the running batch.", stats.num_running),
+            ("orca_num_requests_waiting", "Requests waiting for admission (including preempted ones).", stats.num_waiting),
+            ("orca_kv_cache_usage_ratio", "Fraction of usable KV pages in use.", stats.kv_cache_usage),
+            ("orca_kv_pages_used", "KV pages in use.", stats.kv_pages_used),
+            ("orca_kv_pages_total", "Usable KV pages.", stats.kv_pages_total),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("orca_num_preemptions", "Sequences preempted (to be recomputed).", value=stats.num_preemptions)
+        yield CounterMetricFamily("orca_engine_steps", "Model steps run.", value=stats.num_steps)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("orca_requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:  # export zeros, so rates work from the first scrape
+            self.requests.labels(reason)
+        self.rejected = Counter("orca_requests_rejected", "Requests refused before queueing, by reason.", ["reason"], registry=r)
+        self.prompt_tokens = Counter("orca_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("orca_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("orca_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("orca_time_per_output_token_seconds", "Mean time per generated token after the first, per request.",
+                              buckets=_PER_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("orca_e2e_request_latency_seconds", "Time from arrival to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineStatsCollector(stats))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Called with every engine output (on the engine thread)."""
+        self.generation_tokens.inc(sum(len(c.delta_token_ids) for c in output.outputs))
+        if output.finished:
+            self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self.requests.labels(_finish_reason(output)).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if output.finish_time is None or output.arrival_time is None:
+            return
+        self.e2e.observe(output.finish_time - output.arrival_time)
+        if output.first_token_time is None:
+            return  # aborted or failed before its first token
+        self.ttft.observe(output.first_token_time - output.arrival_time)
+        generated = max(len(c.token_ids) for c in output.outputs)
+        if generated > 1:
+            self.tpot.observe((output.finish_time - output.first_token_time) / (generated - 1))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _finish_reason(output: RequestOutput) -> str:
+    if output.error:
+        return "error"
+    reasons = [c.finish_reason for c in output.outputs]
+    return "abort" if "abort" in reasons else (reasons[0] or "abort")

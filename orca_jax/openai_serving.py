@@ -1,0 +1,352 @@
+"""OpenAI semantics on top of the async engine: turning a validated request into engine
+requests, and engine outputs into OpenAI response bodies and server-sent-event chunks.
+
+HTTP concerns (routing, auth, body limits, status codes of transport errors) live in
+server.py; this module knows nothing of them except the one callback it is given to learn
+that the client went away.
+
+Choice indices follow OpenAI: with several prompts and n samples each, choice `p * n + i` is
+sample i of prompt p. A streamed chat sends each choice's role first, then its content, then
+its finish reason in a chunk of its own; with `stream_options.include_usage` a last chunk with
+no choices carries the usage. A request that fails inside a step ends its stream with an error
+event (the status line has long been sent), or answers 500 when not streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from orca_jax.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
+                                   RequestStream)
+from orca_jax.llm import apply_chat_template
+from orca_jax.outputs import CompletionOutput, RequestOutput
+from orca_jax.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest, bad_request,
+                               engine_error_to_openai)
+from orca_jax.sampling_params import SamplingParams
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+WaitForDisconnect = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class _Submitted:
+    """The engine requests behind one HTTP request, one per prompt."""
+
+    request_id: str
+    created: int
+    streams: list[RequestStream]
+    prompt_texts: list[str]
+    last_outputs: list[RequestOutput | None] = field(default_factory=list)  # per prompt
+
+    def abort_all(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+@dataclass
+class EventStream:
+    """A streamed response: its server-sent events, and `close`, which the HTTP layer calls
+    however the response ends (even if the client left before the first event was pulled,
+    when the generator's own cleanup never runs)."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], None]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
+                 on_reject: Callable[[str], None] | None = None):
+        self.engine = engine
+        # The engine thread uses the engine's own tokenizer; this one belongs to the event loop
+        # (templates, echo, logprob token strings), so no tokenizer is shared between threads.
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._on_reject = on_reject or (lambda reason: None)
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect):
+        self._check_model(request)
+        params = _sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = request.prompt
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        submitted = await self._submit("cmpl", prompts, texts, params, prompt_field="prompt", logprobs_field="logprobs")
+        if request.stream:
+            return EventStream(self._completion_chunks(request, submitted, wait_for_disconnect), submitted.abort_all)
+        outputs = await _collect(submitted, wait_for_disconnect)
+        choices = [
+            self._completion_choice(request, p * request.n + c.index, c, submitted.prompt_texts[p], output)
+            for p, output in enumerate(outputs) for c in output.outputs
+        ]
+        return {
+            "id": submitted.request_id, "object": "text_completion", "created": submitted.created,
+            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
+        }
+
+    def _completion_choice(self, request, index, completion: CompletionOutput, prompt_text, output) -> dict:
+        text = (prompt_text if request.echo else "") + completion.text
+        logprobs = None
+        if request.logprobs is not None:
+            prompt_ids = output.prompt_token_ids if request.echo else []
+            logprobs = self._completion_logprobs(prompt_ids, completion.token_ids, completion.logprobs or [],
+                                                 request.logprobs, 0)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+
+    async def _completion_chunks(self, request: CompletionRequest, submitted: _Submitted,
+                                 wait_for_disconnect: WaitForDisconnect) -> AsyncIterator[str]:
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": submitted.request_id, "object": "text_completion", "created": submitted.created,
+                    "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return _sse(body)
+
+        offsets: dict[int, int] = {}  # per choice: characters sent so far (logprobs text_offset)
+        finished: set[int] = set()
+        async for p, output in _stream_outputs(submitted, wait_for_disconnect):
+            if isinstance(output, OpenAIError):
+                yield _sse(output.body())
+                break
+            for c in output.outputs:
+                index = p * request.n + c.index
+                if index in finished:
+                    continue
+                first = index not in offsets
+                echo = submitted.prompt_texts[p] if request.echo and first else ""
+                new_ids = c.delta_token_ids
+                logprobs = None
+                if request.logprobs is not None:
+                    prompt_ids = output.prompt_token_ids if echo else []
+                    logprobs = self._completion_logprobs(prompt_ids, new_ids, _delta_logprobs(c), request.logprobs,
+                                                         offsets.get(index, 0))
+                text = echo + c.delta_text
+                offsets[index] = offsets.get(index, 0) + len(text)
+                if c.finish_reason is not None:
+                    finished.add(index)
+                if text or new_ids or c.finish_reason is not None or first:
+                    yield chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}])
+        else:
+            if request.include_usage_in_stream:
+                yield chunk([], _usage(submitted.last_outputs))
+        yield "data: [DONE]\n\n"
+
+    def _completion_logprobs(self, prompt_ids, token_ids, logprobs, k, offset) -> dict:
+        """The legacy completions shape; echoed prompt tokens have no log-probability."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for position, token in enumerate(list(prompt_ids) + list(token_ids)):
+            text = self._token_text(token)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if position < len(prompt_ids):
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            lps = logprobs[position - len(prompt_ids)]
+            token_lps.append(lps.get(token))
+            tops.append({self._token_text(t): lp for t, lp in _top(lps, k)})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest, wait_for_disconnect: WaitForDisconnect):
+        self._check_model(request)
+        prompt_ids = self._chat_prompt(request)
+        if len(prompt_ids) >= self.max_model_len:
+            raise bad_request(f"messages are {len(prompt_ids)} tokens after the chat template, but max_model_len "
+                              f"is {self.max_model_len}: shorten the conversation", "messages",
+                              "context_length_exceeded")
+        max_tokens = request.requested_max_tokens or max(1, self.max_model_len - len(prompt_ids))
+        params = _sampling_params(request, max_tokens, request.engine_logprobs)
+        submitted = await self._submit("chatcmpl", [prompt_ids], [""], params,
+                                       prompt_field="messages", logprobs_field="top_logprobs")
+        if request.stream:
+            return EventStream(self._chat_chunks(request, submitted, wait_for_disconnect), submitted.abort_all)
+        (output,) = await _collect(submitted, wait_for_disconnect)
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, request) if request.logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in output.outputs]
+        return {
+            "id": submitted.request_id, "object": "chat.completion", "created": submitted.created,
+            "model": self.model_name, "choices": choices, "usage": _usage([output]),
+        }
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        conversation = [m.as_template_dict() for m in request.messages]
+        try:
+            return apply_chat_template(self.tokenizer, conversation)
+        except ValueError as exc:  # no template
+            raise bad_request(str(exc), "messages") from None
+        except Exception as exc:  # noqa: BLE001 - the template itself refused the conversation
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+
+    async def _chat_chunks(self, request: ChatCompletionRequest, submitted: _Submitted,
+                           wait_for_disconnect: WaitForDisconnect) -> AsyncIterator[str]:
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": submitted.request_id, "object": "chat.completion.chunk", "created": submitted.created,
+                    "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return _sse(body)
+
+        for index in range(request.n):  # the role first, before any token is ready
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        finished: set[int] = set()
+        async for _, output in _stream_outputs(submitted, wait_for_disconnect):
+            if isinstance(output, OpenAIError):
+                yield _sse(output.body())
+                break
+            for c in output.outputs:
+                if c.index in finished:
+                    continue
+                new_ids = c.delta_token_ids
+                if c.delta_text or (new_ids and request.logprobs):
+                    logprobs = None
+                    if request.logprobs:
+                        logprobs = self._chat_logprobs(new_ids, _delta_logprobs(c), request)
+                    yield chunk([{"index": c.index, "delta": {"content": c.delta_text},
+                                  "logprobs": logprobs, "finish_reason": None}])
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}])
+        else:
+            if request.include_usage_in_stream:
+                yield chunk([], _usage(submitted.last_outputs))
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, token_ids, logprobs, request: ChatCompletionRequest) -> dict:
+        k = request.top_logprobs or 0
+        content = []
+        for token, lps in zip(token_ids, logprobs or []):
+            text = self._token_text(token)
+            content.append({
+                "token": text, "logprob": lps.get(token), "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t_text := self._token_text(t)), "logprob": lp, "bytes": list(t_text.encode("utf-8"))}
+                    for t, lp in _top(lps, k)
+                ],
+            })
+        return {"content": content}
+
+    # ---- shared -------------------------------------------------------------------------------
+    def _check_model(self, request: SamplingRequest) -> None:
+        if request.model != self.model_name:
+            raise OpenAIError(400, f"the model '{request.model}' does not exist; this server serves "
+                              f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def _submit(self, prefix: str, prompts, prompt_texts, params: SamplingParams, *,
+                      prompt_field: str, logprobs_field: str) -> _Submitted:
+        """Queue one engine request per prompt; all or none (a rejection aborts the others)."""
+        submitted = _Submitted(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), [], prompt_texts)
+        try:
+            for p, prompt in enumerate(prompts):
+                request_id = submitted.request_id if len(prompts) == 1 else f"{submitted.request_id}-{p}"
+                submitted.streams.append(await self.engine.add_request(request_id, prompt, params))
+        except BaseException as exc:
+            submitted.abort_all()
+            if isinstance(exc, (ValueError, TypeError)):
+                raise engine_error_to_openai(exc, prompt_field, logprobs_field) from None
+            if isinstance(exc, QueueFullError):
+                self._on_reject("queue_full")
+                raise OpenAIError(503, f"{exc}; retry later", code="queue_full",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(exc, EngineStoppedError):
+                self._on_reject("shutting_down")
+                raise OpenAIError(503, str(exc), code="shutting_down") from None
+            raise
+        return submitted
+
+
+def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return request.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        raise engine_error_to_openai(exc, "prompt", "logprobs") from None
+
+
+def _delta_logprobs(completion: CompletionOutput) -> list[dict[int, float]]:
+    """Log-probs of the tokens new in this output (the engine's list is cumulative)."""
+    new = len(completion.delta_token_ids)
+    return list(completion.logprobs[-new:]) if new and completion.logprobs else []
+
+
+def _top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens. The engine's dict holds the top k plus the sampled token, so
+    when the sampled token is not among them it is the one that sorts last."""
+    return sorted(lps.items(), key=lambda item: -item[1])[:k]
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _all_finished(submitted: _Submitted) -> bool:
+    return all(s.finished for s in submitted.streams)
+
+
+async def _stream_outputs(submitted: _Submitted, wait_for_disconnect: WaitForDisconnect):
+    """(prompt index, output) from all the request's streams as they come; an OpenAIError(500)
+    in place of an output when one fails. The requests are aborted if the client disconnects
+    or the consumer stops early (the finally), so their pages go back to the pool."""
+    queue: asyncio.Queue = asyncio.Queue()
+    submitted.last_outputs = [None] * len(submitted.streams)
+
+    async def pump(p: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((p, output))
+        except RequestFailedError as exc:
+            await queue.put((p, OpenAIError(500, f"the request failed in the engine: {exc}", code="engine_error")))
+        finally:
+            await queue.put((p, None))
+
+    async def watch() -> None:
+        await wait_for_disconnect()
+        submitted.abort_all()
+
+    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(submitted.streams)]
+    watcher = asyncio.create_task(watch())
+    try:
+        live = len(tasks)
+        while live:
+            p, item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, RequestOutput):
+                submitted.last_outputs[p] = item
+            yield p, item
+            if isinstance(item, OpenAIError):
+                return
+    finally:
+        watcher.cancel()
+        submitted.abort_all()
+        for task in tasks:
+            task.cancel()
+
+
+async def _collect(submitted: _Submitted, wait_for_disconnect: WaitForDisconnect) -> list[RequestOutput]:
+    """The final output of every prompt (non-streamed responses)."""
+    async for _, item in _stream_outputs(submitted, wait_for_disconnect):
+        if isinstance(item, OpenAIError):
+            raise item
+    if not _all_finished(submitted) or any(o is None for o in submitted.last_outputs):
+        raise OpenAIError(500, "the request ended without a result", code="engine_error")
+    return submitted.last_outputs

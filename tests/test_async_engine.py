@@ -1,0 +1,225 @@
+"""AsyncLLMEngine: the engine on a background thread, requests as asyncio streams.
+
+One LLMEngine serves the module; each test wraps it in a fresh AsyncLLMEngine on its own event
+loop (asyncio.run) and checks that the engine is left idle with every KV page back in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from orca_jax import SamplingParams
+from orca_jax.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=64,
+                               max_model_len=256)
+
+
+@pytest.fixture(autouse=True)
+def engine_left_idle(engine):
+    yield
+    assert not engine.has_unfinished_requests(), f"requests left behind: {list(engine.requests)}"
+    assert engine.allocator.num_used == 0, "KV pages leaked"
+
+
+def run(engine, scenario, **kwargs):
+    """Run `scenario(async_engine)` on a fresh event loop with a started AsyncLLMEngine."""
+    async def main():
+        async_engine = AsyncLLMEngine(engine, **kwargs)
+        async_engine.start()
+        try:
+            return await scenario(async_engine)
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+    return asyncio.run(main())
+
+
+def greedy(max_tokens=12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+async def collect(stream):
+    outputs = [out async for out in stream]
+    return outputs
+
+
+def offline_text(engine, prompt, params) -> str:
+    """The same request run directly on the engine, with no thread in between."""
+    engine.add_request("offline", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    return final.outputs[0].text
+
+
+def test_stream_deltas_assemble_to_the_offline_text(engine):
+    expected = offline_text(engine, PROMPT, greedy(16))
+
+    async def scenario(ae):
+        outputs = await collect(await ae.add_request("r1", PROMPT, greedy(16)))
+        return outputs
+
+    outputs = run(engine, scenario)
+    assert len(outputs) > 1, "one output per step, not one at the end"
+    assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+    assert "".join(o.outputs[0].delta_text for o in outputs) == expected == outputs[-1].outputs[0].text
+    assert sum(len(o.outputs[0].delta_token_ids) for o in outputs) == 16
+
+
+def test_concurrent_requests_each_get_their_own_tokens(engine):
+    prompts = [f"{PROMPT} {i}" for i in range(12)]  # more than max_num_seqs: some wait
+    expected = [offline_text(engine, p, greedy(8)) for p in prompts]
+
+    async def scenario(ae):
+        streams = [await ae.add_request(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        return [r[-1].outputs[0].text for r in results]
+
+    assert run(engine, scenario) == expected
+
+
+def test_bad_request_is_rejected_alone(engine):
+    async def scenario(ae):
+        good = await ae.add_request("good", PROMPT, greedy(4))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await ae.add_request("too-long", list(range(10, 300)), greedy(4))
+        with pytest.raises(TypeError):
+            await ae.add_request("bad-type", 3.5, greedy(4))
+        with pytest.raises(ValueError, match="already in use"):
+            await ae.add_request("good", PROMPT, greedy(4))
+        return await collect(good)
+
+    outputs = run(engine, scenario)
+    assert outputs[-1].finish_reason == "length"
+
+
+def test_abort_from_another_thread_frees_pages_at_the_next_step(engine):
+    async def scenario(ae):
+        stream = await ae.add_request("long", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+        first = await stream.__anext__()
+        assert ae.stats().kv_pages_used > 0
+        aborter = threading.Thread(target=ae.abort, args=("long",))
+        aborter.start()
+        aborter.join()
+        rest = await collect(stream)
+        return first, rest, ae.stats()
+
+    first, rest, stats = run(engine, scenario)
+    assert rest[-1].finish_reason == "abort" and rest[-1].finished
+    assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].delta_token_ids) for o in rest) < 200
+    assert stats.kv_pages_used == 0 and stats.num_running == 0
+
+
+def test_cancelled_reader_aborts_its_request(engine):
+    async def scenario(ae):
+        stream = await ae.add_request("c", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        reader = asyncio.create_task(collect(stream))
+        await asyncio.sleep(0.02)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        stream.abort()  # what a server does in its `finally` when the client goes away
+        for _ in range(200):
+            if ae.stats().kv_pages_used == 0 and ae.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return ae.stats()
+
+    stats = run(engine, scenario)
+    assert stats.kv_pages_used == 0 and stats.num_running == 0
+
+
+def test_engine_thread_sleeps_while_idle(engine):
+    async def scenario(ae):
+        await collect(await ae.add_request("r", PROMPT, greedy(4)))
+        await asyncio.sleep(0.05)  # let the thread go back to sleep
+        wakeups, steps = ae.num_wakeups, ae.stats().num_steps
+        await asyncio.sleep(0.5)
+        idle = (ae.num_wakeups - wakeups, ae.stats().num_steps - steps)
+        # ...and it wakes up for new work.
+        await collect(await ae.add_request("r2", PROMPT, greedy(4)))
+        return idle, ae.num_wakeups - wakeups
+
+    (idle_wakeups, idle_steps), later = run(engine, scenario)
+    assert idle_wakeups == 0 and idle_steps == 0, "the engine thread polled while idle"
+    assert later > 0
+
+
+def gate_engine_steps(monkeypatch, engine) -> threading.Event:
+    """Make each engine step wait for the returned event (requests stay queued meanwhile)."""
+    gate = threading.Event()
+    real_step = engine.step
+
+    def gated_step():
+        assert gate.wait(10), "test gate never opened"
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    return gate
+
+
+def test_full_waiting_queue_rejects_then_recovers(engine, monkeypatch):
+    gate = gate_engine_steps(monkeypatch, engine)
+
+    async def scenario(ae):
+        first = await ae.add_request("a", PROMPT, greedy(4))  # admitted; its first step is held
+        second = asyncio.create_task(ae.add_request("b", PROMPT, greedy(4)))
+        await asyncio.sleep(0)  # b is now in the inbox: 2 requests queued
+        with pytest.raises(QueueFullError):
+            await ae.add_request("c", PROMPT, greedy(4))
+        gate.set()
+        second = await second
+        done = [(await collect(s))[-1].finish_reason for s in (first, second)]
+        third = await collect(await ae.add_request("d", PROMPT, greedy(4)))  # room again
+        return done, third[-1].finish_reason
+
+    done, third = run(engine, scenario, max_waiting_requests=2)
+    assert done == ["length", "length"] and third == "length"
+
+
+def test_failed_step_fails_its_requests_and_the_engine_recovers(engine, monkeypatch):
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def fail_once(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device fault")
+        return real_execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+
+    async def scenario(ae):
+        doomed = await ae.add_request("doomed", PROMPT, greedy(4))
+        with pytest.raises(RequestFailedError, match="injected device fault"):
+            await collect(doomed)
+        return await collect(await ae.add_request("after", PROMPT, greedy(4)))
+
+    outputs = run(engine, scenario)
+    assert outputs[-1].finish_reason == "length" and not outputs[-1].error
+
+
+def test_shutdown_ends_live_streams_and_refuses_new_requests(engine):
+    async def scenario(ae):
+        stream = await ae.add_request("live", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        started = time.monotonic()
+        await asyncio.to_thread(ae.shutdown)
+        rest = [item async for item in stream]
+        with pytest.raises(EngineStoppedError):
+            await ae.add_request("late", PROMPT, greedy(4))
+        return rest, time.monotonic() - started, ae.is_running
+
+    rest, elapsed, running = run(engine, scenario)
+    assert rest[-1].finish_reason == "abort"
+    assert not running and elapsed < 5
