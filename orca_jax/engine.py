@@ -61,6 +61,13 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True, **overrides):
         config = config or EngineConfig(**overrides)
+        if config.tensor_parallel_size != 1:
+            # The setting is part of the public contract; the sharded runner is not built yet,
+            # and silently running on one device would be worse than refusing.
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not "
+                "available in this version of orca_jax; use tensor_parallel_size=1"
+            )
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
