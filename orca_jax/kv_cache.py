@@ -117,8 +117,7 @@ def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=Non
     return num_pages
 
 
-def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> jax.Array:
+def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype) -> jax.Array:
+    """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]."""
     shape = (model.num_layers, num_pages, page_size, 2 * model.num_kv_heads, model.head_dim)
-    if sharding is None:
-        return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return jnp.zeros(shape, dtype)
