@@ -2,6 +2,8 @@
 
     orca-jax generate "PROMPT"   stream one completion to the terminal
     orca-jax serve               OpenAI-compatible HTTP server (see orca_jax/server.py)
+
+Both take `--config PRESET` (configs/*.toml, see orca_jax/presets.py); flags override it.
 """
 
 from __future__ import annotations
@@ -15,25 +17,37 @@ from orca_jax.config import EngineConfig
 from orca_jax.sampling_params import SamplingParams
 
 
+# Engine flags default to None ("not given") so that only flags typed on the command line
+# override a --config preset; EngineConfig supplies the defaults when neither sets a value.
+# dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
+ENGINE_FLAGS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "attention_impl", "tensor_parallel_size", "page_size", "num_pages")
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="PRESET",
+                        help="a preset: a name from configs/ (e.g. smollm2-cpu) or a .toml file; flags override it")
     parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-impl", default="auto")
-    parser.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size)
-    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help=f"(default: {EngineConfig.dtype})")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help=f"(default: {EngineConfig.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"(default: {EngineConfig.max_num_batched_tokens})")
+    parser.add_argument("--max-model-len", type=int, default=None, help="(default: the model's, capped at 4096)")
+    parser.add_argument("--attention-impl", default=None, help=f"(default: {EngineConfig.attention_impl})")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help=f"(default: {EngineConfig.tensor_parallel_size})")
+    parser.add_argument("--page-size", type=int, default=None, help=f"(default: {EngineConfig.page_size})")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
 
 
 def _engine_config(args) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        attention_impl=args.attention_impl, tensor_parallel_size=args.tensor_parallel_size,
-        page_size=args.page_size, num_pages=args.num_pages,
-    )
+    """The preset (if any), then every engine flag given explicitly on the command line."""
+    from orca_jax.presets import engine_config_from_preset, load_preset
+
+    given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    preset = load_preset(args.config) if args.config else {}
+    return engine_config_from_preset(preset, **given)
 
 
 def cmd_generate(args) -> int:
@@ -59,9 +73,10 @@ def cmd_serve(args) -> int:
     from orca_jax.engine import LLMEngine
     from orca_jax.server import ServerSettings, serve
 
-    engine = LLMEngine(_engine_config(args))  # warm-up compiles every bucket before the port opens
+    config = _engine_config(args)
+    engine = LLMEngine(config)  # warm-up compiles every bucket before the port opens
     settings = ServerSettings(
-        model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        model_name=args.served_model_name or config.model or "SmolLM2-135M-Instruct",
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
     )
     serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
