@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,14 +23,14 @@ from orca_jax.batch import Batch, empty_batch
 from orca_jax.compile_guard import compile_count
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache
+from orca_jax.models import architecture
 from orca_jax.models.layers import AttentionInputs, rope_inv_freq
-from orca_jax.models.llama import LlamaForCausalLM
 from orca_jax.sampling import SampleOutput, sample
 
 logger = logging.getLogger(__name__)
 
 
-def forward(model: LlamaForCausalLM, params, kv_cache, batch: Batch, inv_freq):
+def forward(model: nn.Module, params, kv_cache, batch: Batch, inv_freq):
     """The model on one batch: (logits f32[S, V], updated kv_cache)."""
     inputs = AttentionInputs(
         positions=batch.positions,
@@ -43,7 +44,7 @@ def forward(model: LlamaForCausalLM, params, kv_cache, batch: Batch, inv_freq):
     return model.apply(params, batch.input_ids, kv_cache, inputs, batch.logits_indices)
 
 
-def model_step(model: LlamaForCausalLM, max_logprobs: int, params, kv_cache, batch: Batch, inv_freq):
+def model_step(model: nn.Module, max_logprobs: int, params, kv_cache, batch: Batch, inv_freq):
     logits, kv_cache = forward(model, params, kv_cache, batch, inv_freq)
     return kv_cache, sample(logits, batch.sampling, max_logprobs)
 
@@ -61,11 +62,13 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.dtype = jnp.dtype(config.dtype)
-        self.model = LlamaForCausalLM(model_config, attention_impl, self.dtype)
+        self.model = architecture(model_config.model_type).model_class(model_config, attention_impl, self.dtype)
         self.params = to_device_consuming(params, self.dtype)
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
         self.num_pages = choose_num_pages(config, model_config, self.kv_dtype)
         self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.kv_dtype)
+        # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned
+        # positions) ignores them.
         self.inv_freq = jnp.asarray(rope_inv_freq(
             model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict,
             model_config.rope_freq_factors,

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama checkpoints saved with transformers, and engines on them."""
+"""Shared fixtures: tiny random checkpoints (Llama and the other families) saved with
+transformers, and engines on them."""
 
 from __future__ import annotations
 
@@ -64,6 +65,51 @@ def make_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     return directory
 
 
+def make_tiny_hf_model(directory: Path, config_class_name: str, seed: int = 0, random_biases: bool = False,
+                       **settings) -> Path:
+    """Save a random causal LM of any transformers family (float32), plus the tiny tokenizer.
+    `config_class_name` names a transformers config class ("GPT2Config", "Qwen3Config", ...);
+    `settings` are its arguments (the vocabulary and special token ids default to the
+    tokenizer's). Norm weights are drawn from [0.5, 1.5] so the logits are not all near zero;
+    with `random_biases`, biases (zero at init) are drawn too, so a mishandled bias shows."""
+    import torch
+    import transformers
+
+    settings = dict(dict(vocab_size=TINY_VOCAB, bos_token_id=1, eos_token_id=2), **settings)
+    config = getattr(transformers, config_class_name)(**settings)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:  # "ln_": GPT-2's LayerNorms
+                if name.endswith(".bias"):
+                    p.uniform_(-0.5, 0.5)
+                else:
+                    p.uniform_(0.5, 1.5)
+            elif random_biases and name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    make_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model_factory(tmp_path_factory):
+    """make(config_class_name, seed=0, random_biases=False, **config settings) -> directory of
+    a saved random model (cached per arguments). See `make_tiny_hf_model`."""
+    cache: dict[str, Path] = {}
+
+    def make(config_class_name: str, seed: int = 0, random_biases: bool = False, **settings) -> Path:
+        key = json.dumps({"cls": config_class_name, "seed": seed, "biases": random_biases, **settings}, sort_keys=True)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"tiny-{config_class_name.removesuffix('Config').lower()}")
+            cache[key] = make_tiny_hf_model(directory, config_class_name, seed, random_biases, **settings)
+        return cache[key]
+
+    return make
+
+
 @pytest.fixture(scope="module")
 def torch_single_thread():
     """PyTorch is only the reference in tests. On a small shared CPU its OpenMP threads spin-wait
@@ -113,3 +159,87 @@ def tiny_engine_factory(tiny_llama_dir):
 
 def read_config(directory: Path) -> dict:
     return json.loads((directory / "config.json").read_text())
+
+
+class _HFLastLogits:
+    """HF logits at the last position of a token sequence (memoised)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache: dict[tuple[int, ...], object] = {}  # tokens -> numpy logits
+
+    def __call__(self, tokens: list[int]):
+        import torch
+
+        key = tuple(tokens)
+        if key not in self.cache:
+            with torch.no_grad():
+                out = self.model(torch.tensor([tokens], dtype=torch.long)).logits
+            self.cache[key] = out[0, -1].float().numpy()
+        return self.cache[key]
+
+
+def drive_engine_against_hf(engine, hf_model, rng, prompt_lengths=(5, 23, 12, 37), late_prompt_length=9,
+                            max_tokens=5) -> dict:
+    """Drive an LLMEngine by hand (schedule -> build_batch -> runner.logits -> postprocess) and
+    compare every row that produces a next token with HF's last-position logits on the same
+    full token sequence. With a small token budget the long prompts are chunk-prefilled while
+    the short ones decode, and one request arrives late, joining a running batch. Returns
+    stats, with `max_diff` the largest absolute logit difference."""
+    import numpy as np
+
+    import orca_jax.batch
+    from orca_jax import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    hf_last = _HFLastLogits(hf_model)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [rng.integers(3, vocab, size=n).tolist() for n in prompt_lengths]
+    late_prompt = rng.integers(3, vocab, size=late_prompt_length).tolist()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    seqs = [engine.requests[f"r{i}"].seqs[0] for i in range(len(prompts))]
+
+    diffs: list[float] = []
+    stats = dict(steps=0, mixed_steps=0, partial_prefill_rows=0, compared_rows=0)
+    scheduler = engine.scheduler
+    while scheduler.has_unfinished():
+        if stats["steps"] == 3:
+            engine.add_request("late", late_prompt, params)
+            seqs.append(engine.requests["late"].seqs[0])
+        sched = scheduler.schedule()
+        assert sched, "scheduler returned an empty step while requests are unfinished"
+        batch = orca_jax.batch.build_batch(engine.config, sched)
+        logits = engine.runner.logits(batch)
+        assert logits.dtype == np.float32 and logits.shape[1] == vocab and logits.shape[0] >= len(sched)
+        kinds = set()
+        for row, (seq, n) in enumerate(sched):
+            kinds.add("decode" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill")
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                ref = hf_last(seq.prompt_token_ids + seq.output_token_ids)
+                diffs.append(float(np.abs(logits[row] - ref).max()))
+                stats["compared_rows"] += 1
+            else:
+                stats["partial_prefill_rows"] += 1
+        stats["steps"] += 1
+        stats["mixed_steps"] += kinds == {"decode", "prefill"}
+        tokens = logits[: len(sched)].argmax(axis=-1).tolist()
+        for seq in scheduler.postprocess(sched, tokens):
+            if len(seq.output_token_ids) >= max_tokens:
+                scheduler.finish(seq, "length")
+
+    # The run exercised what it is meant to exercise.
+    assert all(len(s.output_token_ids) == max_tokens for s in seqs)
+    assert stats["compared_rows"] == len(seqs) * max_tokens
+    assert stats["partial_prefill_rows"] >= 3, stats  # chunked prefill happened
+    assert stats["mixed_steps"] >= 2, stats  # prefill chunks and decodes in one step
+    assert engine.allocator.num_used == 0  # every page came back
+    stats["max_diff"] = max(diffs)
+    return stats
+
+
+@pytest.fixture(scope="session")
+def engine_parity():
+    """`drive_engine_against_hf(engine, hf_model, rng, ...) -> stats` for parity tests (test
+    modules cannot import each other under --import-mode=importlib)."""
+    return drive_engine_against_hf

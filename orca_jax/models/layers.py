@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: norms, RoPE, gated MLP, paged attention.
+"""Building blocks shared by the model families: norms, RoPE, MLPs, paged attention, and the
+scan over stacked layers with their flat all-layer KV cache.
 
 Every layer works on the flattened token axis T (Orca's selective batching): tokens of all
 requests, prefill and decode alike, go through one matmul. Only `PagedAttention` looks at the
@@ -7,6 +8,8 @@ per-request structure, through the kernel entry point.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,38 @@ jax.tree_util.register_dataclass(
 )
 
 
+def inputs_for_layer(inputs: AttentionInputs, layer, pages_per_layer: int, page_size: int) -> AttentionInputs:
+    """The step's metadata pointed at one layer's pages of the flat all-layer cache, where
+    layer l's page p is page `l * pages_per_layer + p`."""
+    return dataclasses.replace(
+        inputs,
+        slot_mapping=inputs.slot_mapping + layer * pages_per_layer * page_size,
+        page_table=inputs.page_table + layer * pages_per_layer,
+    )
+
+
+def run_layer_stack(block: type[nn.Module], x, kv_cache, inputs: AttentionInputs, **block_fields):
+    """Apply `num_layers` stacked copies of `block` with `nn.scan` (compile time does not grow
+    with depth). Call inside a compact method; the parameters live under "layers".
+
+    The KV cache of all layers travels through the scan as one array viewed as
+    `num_layers * num_pages` pages, so each layer writes into the same donated buffer in place.
+    `block(pages_per_layer=, page_size=, **block_fields)` is called as
+    `block((x, kv_pages), layer, inputs) -> ((x, kv_pages), None)`.
+    x [T, D]; kv_cache [L, P, page_size, 2K, H]. Returns (x, kv_cache)."""
+    num_layers, num_pages, page_size = kv_cache.shape[:3]
+    layers = nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast),
+        length=num_layers,
+    )(pages_per_layer=num_pages, page_size=page_size, **block_fields, name="layers")
+    flat_cache = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
+    (x, flat_cache), _ = layers((x, flat_cache), jnp.arange(num_layers), inputs)
+    return x, flat_cache.reshape(kv_cache.shape)
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: Any = jnp.float32
@@ -50,6 +85,22 @@ class RMSNorm(nn.Module):
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Like transformers: normalise in float32, cast back, then scale in the model dtype.
         return scale * normed.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (GPT-2), statistics in float32."""
+
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(self.dtype) + bias
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
@@ -108,24 +159,54 @@ class Einsum(nn.Module):
         return y
 
 
+# By transformers' `hidden_act` names (`ModelConfig.hidden_act`).
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu_new": functools.partial(nn.gelu, approximate=True),  # GPT-2's tanh approximation
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+    "gelu": functools.partial(nn.gelu, approximate=False),
+}
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU (with silu): down(act(gate(x)) * up(x))."""
 
     hidden_size: int
     intermediate_size: int
     use_bias: bool = False
     dtype: Any = jnp.float32
+    activation: str = "silu"
 
     @nn.compact
     def __call__(self, x):
         D, F = self.hidden_size, self.intermediate_size
         gate = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="gate_proj")(x)
         up = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="up_proj")(x)
-        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="down_proj")(nn.silu(gate) * up)
+        act = ACTIVATIONS[self.activation]
+        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="down_proj")(act(gate) * up)
+
+
+class MLP(nn.Module):
+    """The original transformer MLP (GPT-2): proj(act(fc(x)))."""
+
+    hidden_size: int
+    intermediate_size: int
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    activation: str = "gelu_new"
+
+    @nn.compact
+    def __call__(self, x):
+        D, F = self.hidden_size, self.intermediate_size
+        h = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="fc")(x)
+        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="proj")(ACTIVATIONS[self.activation](h))
 
 
 class PagedAttention(nn.Module):
-    """GQA self-attention over the paged cache. Writes this step's K/V, then attends."""
+    """GQA self-attention over the paged cache. Writes this step's K/V, then attends.
+
+    `qk_norm_eps` set: RMSNorm each query and key head before RoPE (Qwen3). `use_rope` off:
+    positions are already in x (GPT-2's learned embedding) and `inputs.inv_freq` is unused."""
 
     num_heads: int
     num_kv_heads: int
@@ -136,6 +217,8 @@ class PagedAttention(nn.Module):
     sliding_window: int | None = None
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
+    qk_norm_eps: float | None = None
+    use_rope: bool = True
 
     @nn.compact
     def __call__(self, x, kv_pages, inputs: AttentionInputs):
@@ -143,8 +226,12 @@ class PagedAttention(nn.Module):
         q = Einsum("TD,DNH->TNH", (D, N, H), self.qkv_bias, self.dtype, name="q_proj")(x)
         k = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="k_proj")(x)
         v = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="v_proj")(x)
-        q = apply_rope(q, inputs.positions, inputs.inv_freq)
-        k = apply_rope(k, inputs.positions, inputs.inv_freq)
+        if self.qk_norm_eps is not None:
+            q = RMSNorm(self.qk_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(self.qk_norm_eps, self.dtype, name="k_norm")(k)
+        if self.use_rope:
+            q = apply_rope(q, inputs.positions, inputs.inv_freq)
+            k = apply_rope(k, inputs.positions, inputs.inv_freq)
         kv_pages = kernels.write_kv(kv_pages, k, v, inputs.slot_mapping)
         out = kernels.ragged_paged_attention(
             q, kv_pages, inputs.kv_lens, inputs.page_table, inputs.cu_q_lens, inputs.num_seqs,

@@ -1,24 +1,28 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral) on the flattened token axis.
+"""Llama-family decoder on the flattened token axis: Llama 2/3, SmolLM, and the families that
+are the same block with a few switches from `ModelConfig`:
+
+- Mistral: sliding-window attention (`sliding_window`);
+- Qwen2/2.5: biases on Q, K, V but not on the output projection (`qkv_bias`, `o_bias`);
+- Qwen3: RMSNorm on each query and key head before RoPE (`qk_norm`), head_dim from the config.
 
     h = x + attn(norm(x));  out = h + mlp(norm(h))
 
-The layers are stacked and scanned (`nn.scan`), so compile time does not grow with depth. The
-KV cache of all layers travels through the scan as one array viewed as
-`num_layers * num_pages` pages; layer l's pages are `l * num_pages + page`, so each layer
-writes into the same donated buffer in place.
+The layers are stacked and scanned over the flat all-layer KV cache (`run_layer_stack`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 from orca_jax.config import ModelConfig
-from orca_jax.models.layers import AttentionInputs, Einsum, GatedMLP, PagedAttention, RMSNorm
+from orca_jax.models.hf_weights import HFTensors
+from orca_jax.models.layers import (
+    AttentionInputs, GatedMLP, PagedAttention, RMSNorm, inputs_for_layer, run_layer_stack,
+)
 
 
 class DecoderBlock(nn.Module):
@@ -32,18 +36,14 @@ class DecoderBlock(nn.Module):
     def __call__(self, carry, layer, inputs: AttentionInputs):
         x, kv_pages = carry
         c = self.config
-        layer_inputs = dataclasses.replace(
-            inputs,
-            slot_mapping=inputs.slot_mapping + layer * self.pages_per_layer * self.page_size,
-            page_table=inputs.page_table + layer * self.pages_per_layer,
-        )
         attn = PagedAttention(
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            hidden_size=c.hidden_size, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+            hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             sliding_window=c.sliding_window, attention_impl=self.attention_impl, dtype=self.dtype,
-            name="attn",
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, name="attn",
         )
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, name="mlp")
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
+        layer_inputs = inputs_for_layer(inputs, layer, self.pages_per_layer, self.page_size)
         attn_out, kv_pages = attn(RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), kv_pages, layer_inputs)
         h = x + attn_out
         out = h + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
@@ -60,24 +60,54 @@ class LlamaForCausalLM(nn.Module):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
         Returns (logits f32[S, V], kv_cache)."""
         c = self.config
-        num_layers, num_pages, page_size = kv_cache.shape[:3]
         embedding = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
         x = jnp.take(embedding, input_ids, axis=0)
-
-        blocks = nn.scan(
-            DecoderBlock,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast),
-            length=num_layers,
-        )(c, num_pages, page_size, self.attention_impl, self.dtype, name="layers")
-        flat_cache = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
-        (x, flat_cache), _ = blocks((x, flat_cache), jnp.arange(num_layers), inputs)
-
+        x, kv_cache = run_layer_stack(
+            DecoderBlock, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
+        )
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = jnp.einsum("SD,VD->SV", h, embedding, preferred_element_type=jnp.float32)
         else:
             head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size), self.dtype)
             logits = jnp.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
-        return logits, flat_cache.reshape(kv_cache.shape)
+        return logits, kv_cache
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
+    """HF Llama/Mistral/Qwen2/Qwen3 names and PyTorch layouts ([out, in]) -> the Flax tree of
+    `LlamaForCausalLM` (named-axis kernels, layers stacked for the scan). Consumes `tensors`."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    t = HFTensors(tensors, c.num_layers, "model.layers")
+    attn = {
+        "q_proj": {"kernel": t.per_layer("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H))},
+        "k_proj": {"kernel": t.per_layer("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H))},
+        "v_proj": {"kernel": t.per_layer("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H))},
+        "o_proj": {"kernel": t.per_layer("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D))},
+    }
+    if c.qkv_bias:
+        attn["q_proj"]["bias"] = t.per_layer("self_attn.q_proj.bias", lambda b: b.reshape(N, H))
+        attn["k_proj"]["bias"] = t.per_layer("self_attn.k_proj.bias", lambda b: b.reshape(K, H))
+        attn["v_proj"]["bias"] = t.per_layer("self_attn.v_proj.bias", lambda b: b.reshape(K, H))
+    if c.o_bias:
+        attn["o_proj"]["bias"] = t.per_layer("self_attn.o_proj.bias")
+    if c.qk_norm:
+        attn["q_norm"] = {"scale": t.per_layer("self_attn.q_norm.weight")}
+        attn["k_norm"] = {"scale": t.per_layer("self_attn.k_norm.weight")}
+    mlp = {name: {"kernel": t.per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
+    if c.mlp_bias:
+        for name in mlp:
+            mlp[name]["bias"] = t.per_layer(f"mlp.{name}.bias")
+    params = {
+        "embed": t.take("model.embed_tokens.weight"),
+        "layers": {
+            "input_norm": {"scale": t.per_layer("input_layernorm.weight")},
+            "attn": attn,
+            "post_attention_norm": {"scale": t.per_layer("post_attention_layernorm.weight")},
+            "mlp": mlp,
+        },
+        "final_norm": {"scale": t.take("model.norm.weight")},
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = t.take("lm_head.weight").T
+    return {"params": params}

@@ -1,8 +1,8 @@
 """Checkpoint loading: HF directories (safetensors), GGUF files, and the embedded default model.
 
-Every source is first read as a flat dict of HF-named numpy tensors in PyTorch layout
-(`[out, in]`), then converted once into the Flax parameter tree of `models/llama.py`
-(named-axis kernels, layers stacked on a leading axis for the scan).
+Every source is first read as a flat dict of HF-named numpy tensors (PyTorch layout), then
+converted once, by the converter of its model family (`orca_jax.models.ARCHITECTURES`), into
+that model's Flax parameter tree (named-axis kernels, layers stacked for the scan).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from orca_jax.config import ModelConfig
+from orca_jax.models import architecture
 
 logger = logging.getLogger(__name__)
 
@@ -141,54 +142,10 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_to_params(t: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
-    """HF Llama names and PyTorch layouts -> the Flax tree of `LlamaForCausalLM`.
-
-    Consumes `t`: each tensor leaves the dict as it is converted, so peak memory stays near one
-    copy of the weights instead of two."""
-    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-
-    def get(name):
-        if name not in t:
-            raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return t.pop(name)
-
-    def per_layer(suffix, convert):
-        first = convert(get(f"model.layers.0.{suffix}"))
-        stacked = np.empty((c.num_layers, *first.shape), first.dtype)
-        stacked[0] = first
-        for i in range(1, c.num_layers):
-            stacked[i] = convert(get(f"model.layers.{i}.{suffix}"))
-        return stacked
-
-    attn = {
-        "q_proj": {"kernel": per_layer("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H))},
-        "k_proj": {"kernel": per_layer("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H))},
-        "v_proj": {"kernel": per_layer("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H))},
-        "o_proj": {"kernel": per_layer("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D))},
-    }
-    if c.attention_bias:
-        attn["q_proj"]["bias"] = per_layer("self_attn.q_proj.bias", lambda b: b.reshape(N, H))
-        attn["k_proj"]["bias"] = per_layer("self_attn.k_proj.bias", lambda b: b.reshape(K, H))
-        attn["v_proj"]["bias"] = per_layer("self_attn.v_proj.bias", lambda b: b.reshape(K, H))
-        attn["o_proj"]["bias"] = per_layer("self_attn.o_proj.bias", lambda b: b)
-    mlp = {name: {"kernel": per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
-    if c.mlp_bias:
-        for name in mlp:
-            mlp[name]["bias"] = per_layer(f"mlp.{name}.bias", lambda b: b)
-    params = {
-        "embed": get("model.embed_tokens.weight"),
-        "layers": {
-            "input_norm": {"scale": per_layer("input_layernorm.weight", lambda w: w)},
-            "attn": attn,
-            "post_attention_norm": {"scale": per_layer("post_attention_layernorm.weight", lambda w: w)},
-            "mlp": mlp,
-        },
-        "final_norm": {"scale": get("model.norm.weight")},
-    }
-    if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
-    return {"params": params}
+def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
+    """HF names and PyTorch layouts -> the Flax tree of the config's model family (see
+    `orca_jax.models.ARCHITECTURES`). Consumes `tensors`, one tensor at a time."""
+    return architecture(c.model_type).hf_to_params(tensors, c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +183,8 @@ def _load_gguf(path: Path) -> LoadedModel:
     config = dataclasses.replace(
         gguf_config(meta),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
     )
     tensors = {}

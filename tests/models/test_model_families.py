@@ -1,0 +1,259 @@
+"""GPT-2, Qwen2, Qwen3 and Mistral against Hugging Face transformers (PyTorch CPU, float32),
+through the real engine path, plus the registry (`orca_jax.models`) and the HF config fields
+each family reads.
+
+Each family gets a tiny random checkpoint saved by transformers. Parity drives an LLMEngine by
+hand with a small token budget (chunked prefill, steps that mix prefill chunks with decodes,
+a late arrival; see `drive_engine_against_hf` in conftest) and compares every produced row's
+logits with HF's; greedy generation through `LLM` must equal HF `generate` token for token.
+HF runs with eager attention, whose sliding-window mask is explicit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from orca_jax import LLM, SamplingParams
+from orca_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from orca_jax.engine import LLMEngine
+from orca_jax.models import ARCHITECTURES, architecture
+from orca_jax.models.gpt2 import GPT2ForCausalLM
+from orca_jax.models.layers import AttentionInputs
+from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.models.loader import load_model
+
+ATOL = 1e-4
+MISTRAL_WINDOW = 12  # below most sequence lengths here, and not a multiple of the page size (8)
+
+# name -> (transformers config class, its settings, randomise biases). `initializer_range=0.1`:
+# HF's default 0.02 makes attention nearly uniform, so position mistakes would hide.
+FAMILIES = {
+    # Learned positions, LayerNorm with bias, gelu_new MLP, fused c_attn, tied head, MHA.
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256,
+                                initializer_range=0.1), True),
+    # Q/K/V biases (randomised), no output bias; GQA 4:2; tied head like the small Qwen2.5s.
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=True, initializer_range=0.1), True),
+    # Per-head q_norm/k_norm; head_dim 32, so N * H (128) != hidden (64); GQA 4:2.
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  max_position_embeddings=256, initializer_range=0.1), False),
+    # Sliding window smaller than the sequences; GQA 4:1.
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=256, sliding_window=MISTRAL_WINDOW,
+                                      initializer_range=0.1), False),
+}
+
+# PyTorch is the reference here; run it single-threaded (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def _model_dir(factory, name: str) -> Path:
+    config_class, settings, random_biases = FAMILIES[name]
+    return factory(config_class, seed=1, random_biases=random_biases, **settings)
+
+
+def _hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def parity_results(tiny_hf_model_factory, engine_parity):
+    """Run every family once; the tests below assert on the results."""
+    results = {}
+    for i, name in enumerate(FAMILIES):
+        directory = _model_dir(tiny_hf_model_factory, name)
+        engine = LLMEngine(
+            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
+            max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
+        )
+        results[name] = engine_parity(engine, _hf_model(directory), np.random.default_rng(i))
+        results[name]["engine"] = engine
+    return results
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_match_transformers_through_engine(parity_results, name):
+    stats = parity_results[name]
+    print(f"{name}: max |logit diff| = {stats['max_diff']:.3e} over {stats['compared_rows']} rows, "
+          f"{stats['steps']} steps ({stats['mixed_steps']} mixed)")
+    assert stats["max_diff"] <= ATOL, f"{name}: max abs logit difference {stats['max_diff']:.3e} > {ATOL}"
+
+
+@pytest.mark.parametrize("name, model_class", [
+    ("gpt2", GPT2ForCausalLM), ("qwen2", LlamaForCausalLM), ("qwen3", LlamaForCausalLM), ("mistral", LlamaForCausalLM),
+])
+def test_engine_runs_the_family_model(parity_results, name, model_class):
+    engine = parity_results[name]["engine"]
+    assert engine.model_config.model_type == name
+    assert type(engine.runner.model) is model_class
+
+
+def test_mistral_window_changes_the_reference(tiny_hf_model_factory):
+    """Guards the Mistral parity case: HF really applies the window on a sequence longer than
+    it, so matching HF means our kernel applied it too."""
+    directory = _model_dir(tiny_hf_model_factory, "mistral")
+    assert load_model(directory).config.sliding_window == MISTRAL_WINDOW
+    tokens = torch.tensor([np.random.default_rng(0).integers(3, 512, size=3 * MISTRAL_WINDOW).tolist()])
+    windowed = _hf_model(directory)
+    full = _hf_model(directory)
+    full.config.sliding_window = None
+    for layer in full.model.layers:
+        layer.self_attn.sliding_window = None
+    with torch.no_grad():
+        a, b = windowed(tokens).logits[0, -1], full(tokens).logits[0, -1]
+    assert (a - b).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy generation through LLM equals HF generate.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_generation_matches_hf_generate(tiny_hf_model_factory, name):
+    num_new = 16
+    directory = _model_dir(tiny_hf_model_factory, name)
+    rng = np.random.default_rng(123)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (3, 11, 20, 29)]
+    llm = LLM(model=str(directory), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
+              num_pages=64, max_model_len=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False)
+
+    hf = _hf_model(directory)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: always 16 new tokens
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=num_new, pad_token_id=0)[0, len(prompt):].tolist()
+        assert len(ref) == num_new
+        assert out.outputs[0].token_ids == ref, f"{name}: prompt of {len(prompt)} tokens"
+    assert llm.engine.allocator.num_used == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The converter's parameter tree is exactly what the family's model init produces.
+# ---------------------------------------------------------------------------------------------
+def _init_shapes(config: ModelConfig, num_pages=4, page_size=8, T=8, S=2):
+    model = architecture(config.model_type).model_class(config)
+    inputs = AttentionInputs(
+        positions=jnp.zeros(T, jnp.int32),
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        page_table=jnp.zeros((S, 4), jnp.int32),
+        kv_lens=jnp.zeros(S, jnp.int32),
+        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
+        num_seqs=jnp.zeros(1, jnp.int32),
+        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
+    )
+    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
+    return jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
+    )
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_loader_tree_matches_model_init(tiny_hf_model_factory, name):
+    loaded = load_model(_model_dir(tiny_hf_model_factory, name))
+    expected = _init_shapes(loaded.config)
+    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    mismatched = [
+        (jax.tree_util.keystr(path), g, e)
+        for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected))
+        if (g.shape, g.dtype) != (e.shape, e.dtype)
+    ]
+    assert not mismatched, mismatched
+
+
+def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
+    """The OpenAI checkpoints (saved from `GPT2Model`) have no `transformer.` prefix and keep
+    the causal-mask buffers `attn.bias`; both load to the same parameters."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from orca_jax.models.loader import read_safetensors
+
+    directory = _model_dir(tiny_hf_model_factory, "gpt2")
+    tensors = {k.removeprefix("transformer."): v for k, v in read_safetensors(directory).items()}
+    tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 256, 256), np.float32))
+    original = tmp_path / "gpt2-original"
+    original.mkdir()
+    for f in directory.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, original / f.name)
+    save_file(tensors, str(original / "model.safetensors"))
+    expected, got = load_model(directory).params, load_model(original).params
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and config fields.
+# ---------------------------------------------------------------------------------------------
+def test_registry_covers_the_supported_model_types():
+    assert tuple(ARCHITECTURES) == SUPPORTED_MODEL_TYPES
+    with pytest.raises(ValueError, match="bert.*supported: llama, mistral, qwen2, qwen3, gpt2"):
+        architecture("bert")
+
+
+_LLAMA_LIKE = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_qwen2_fields():
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "tie_word_embeddings": True,
+                                  "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 1})
+    assert (c.qkv_bias, c.o_bias, c.qk_norm, c.sliding_window, c.tie_word_embeddings) == (True, False, False, None, True)
+    # use_sliding_window: only layers from max_window_layers on slide; all of them is supported...
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                                  "sliding_window": 32, "max_window_layers": 0})
+    assert c.sliding_window == 32
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                                  "sliding_window": 32, "layer_types": ["full_attention"] * 2})
+    assert c.sliding_window is None
+    # ... a mix is not (one scan, one static window), and says so.
+    with pytest.raises(ValueError, match="some layers"):
+        ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                                  "sliding_window": 32, "max_window_layers": 1})
+
+
+def test_qwen3_and_mistral_fields():
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen3", "head_dim": 32})
+    assert (c.qk_norm, c.qkv_bias, c.o_bias, c.head_dim) == (True, False, False, 32)
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen3", "attention_bias": True})
+    assert c.qkv_bias and c.o_bias and c.attention_bias
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": 4096})
+    assert (c.sliding_window, c.qk_norm, c.qkv_bias) == (4096, False, False)
+    assert ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+
+
+def test_gpt2_fields():
+    c = ModelConfig.from_hf_dict(dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                                      n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5,
+                                      activation_function="gelu_new", eos_token_id=50256))
+    assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        768, 3072, 12, 12, 12, 64)
+    assert (c.rms_norm_eps, c.max_position_embeddings, c.hidden_act, c.tie_word_embeddings) == (
+        1e-5, 1024, "gelu_new", True)
+    assert c.qkv_bias and c.o_bias and c.mlp_bias and c.eos_token_ids == (50256,)
+    with pytest.raises(ValueError, match="scaled"):
+        ModelConfig.from_hf_dict(dict(model_type="gpt2", vocab_size=10, n_embd=64, n_layer=1, n_head=4,
+                                      scale_attn_by_inverse_layer_idx=True))
+
+
+def test_family_from_architectures_when_model_type_is_missing():
+    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "architectures": ["Qwen3ForCausalLM"]})
+    assert c.model_type == "qwen3" and c.qk_norm
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        ModelConfig.from_hf_dict({**_LLAMA_LIKE, "hidden_act": "relu"})
