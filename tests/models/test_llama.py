@@ -97,71 +97,8 @@ def _hf_model(directory: Path):
     return HFLlama.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-class _HFLastLogits:
-    """HF logits at the last position of a token sequence (memoised)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.cache: dict[tuple[int, ...], np.ndarray] = {}
-
-    def __call__(self, tokens: list[int]) -> np.ndarray:
-        key = tuple(tokens)
-        if key not in self.cache:
-            with torch.no_grad():
-                out = self.model(torch.tensor([tokens], dtype=torch.long)).logits
-            self.cache[key] = out[0, -1].float().numpy()
-        return self.cache[key]
-
-
-def _drive_and_compare(engine: LLMEngine, hf_last: _HFLastLogits, rng: np.random.Generator) -> dict:
-    """Drive the engine by hand; compare every row that produces a next token with HF."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
-    late_prompt = rng.integers(3, VOCAB, size=LATE_PROMPT_LENGTH).tolist()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    seqs = [engine.requests[f"r{i}"].seqs[0] for i in range(len(prompts))]
-
-    diffs: list[float] = []
-    stats = dict(steps=0, mixed_steps=0, partial_prefill_rows=0, compared_rows=0)
-    sched_ = engine.scheduler
-    while sched_.has_unfinished():
-        if stats["steps"] == 3:
-            engine.add_request("late", late_prompt, params)
-            seqs.append(engine.requests["late"].seqs[0])
-        sched = sched_.schedule()
-        assert sched, "scheduler returned an empty step while requests are unfinished"
-        batch = orca_jax.batch.build_batch(engine.config, sched)
-        logits = engine.runner.logits(batch)
-        assert logits.dtype == np.float32 and logits.shape[1] == VOCAB and logits.shape[0] >= len(sched)
-        kinds = set()
-        for row, (seq, n) in enumerate(sched):
-            kinds.add("decode" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill")
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                ref = hf_last(seq.prompt_token_ids + seq.output_token_ids)
-                diffs.append(float(np.abs(logits[row] - ref).max()))
-                stats["compared_rows"] += 1
-            else:
-                stats["partial_prefill_rows"] += 1
-        stats["steps"] += 1
-        stats["mixed_steps"] += kinds == {"decode", "prefill"}
-        tokens = logits[: len(sched)].argmax(axis=-1).tolist()
-        for seq in sched_.postprocess(sched, tokens):
-            if len(seq.output_token_ids) >= MAX_TOKENS:
-                sched_.finish(seq, "length")
-
-    # The run exercised what it is meant to exercise.
-    assert all(len(s.output_token_ids) == MAX_TOKENS for s in seqs)
-    assert stats["compared_rows"] == len(seqs) * MAX_TOKENS
-    assert stats["partial_prefill_rows"] >= 3, stats  # chunked prefill happened
-    assert stats["mixed_steps"] >= 2, stats  # prefill chunks and decodes in one step
-    assert engine.allocator.num_used == 0  # every page came back
-    stats["max_diff"] = max(diffs)
-    return stats
-
-
 @pytest.fixture(scope="module")
-def parity_results(tiny_llama_factory, tmp_path_factory):
+def parity_results(tiny_llama_factory, tmp_path_factory, engine_parity):
     """Run every parity config once; tests below assert on the results."""
     results = {}
     for i, name in enumerate(PARITY_CONFIGS):
@@ -170,7 +107,10 @@ def parity_results(tiny_llama_factory, tmp_path_factory):
             model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
             max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
         )
-        results[name] = _drive_and_compare(engine, _HFLastLogits(_hf_model(directory)), np.random.default_rng(i))
+        results[name] = engine_parity(
+            engine, _hf_model(directory), np.random.default_rng(i), prompt_lengths=PROMPT_LENGTHS,
+            late_prompt_length=LATE_PROMPT_LENGTH, max_tokens=MAX_TOKENS,
+        )
         results[name]["engine"] = engine
         results[name]["dir"] = directory
     return results
