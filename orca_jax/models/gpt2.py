@@ -10,7 +10,7 @@ attention, the layer scan and the paged cache are the shared ones.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -18,60 +18,33 @@ import numpy as np
 
 from orca_jax.config import ModelConfig
 from orca_jax.models.hf_weights import HFTensors
-from orca_jax.models.layers import (
-    MLP, AttentionInputs, LayerNorm, PagedAttention, inputs_for_layer, run_layer_stack,
-)
+from orca_jax.models.layers import MLP, LayerNorm
+from orca_jax.models.llama import DecoderBlock, LlamaForCausalLM
 
 
-class GPT2Block(nn.Module):
-    config: ModelConfig
-    pages_per_layer: int
-    page_size: int
-    attention_impl: str = "reference"
-    dtype: Any = jnp.float32
+class GPT2Block(DecoderBlock):
+    """The pre-norm block with GPT-2's parts: LayerNorm, an ungated GELU MLP, no RoPE."""
 
-    @nn.compact
-    def __call__(self, carry, layer, inputs: AttentionInputs):
-        x, kv_pages = carry
+    norm_cls: ClassVar[type[nn.Module]] = LayerNorm
+    uses_rope: ClassVar[bool] = False
+
+    @nn.nowrap
+    def make_mlp(self) -> nn.Module:
         c = self.config
-        attn = PagedAttention(
-            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            attention_impl=self.attention_impl, dtype=self.dtype, use_rope=False, name="attn",
-        )
-        mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
-        layer_inputs = inputs_for_layer(inputs, layer, self.pages_per_layer, self.page_size)
-        attn_out, kv_pages = attn(LayerNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), kv_pages, layer_inputs)
-        h = x + attn_out
-        out = h + mlp(LayerNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
-        return (out, kv_pages), None
+        return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
 
 
-class GPT2ForCausalLM(nn.Module):
-    config: ModelConfig
-    attention_impl: str = "reference"
-    dtype: Any = jnp.float32
+class GPT2ForCausalLM(LlamaForCausalLM):
+    block: ClassVar[type[DecoderBlock]] = GPT2Block
 
-    @nn.compact
-    def __call__(self, input_ids, kv_cache, inputs: AttentionInputs, logits_indices):
-        """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
-        Returns (logits f32[S, V], kv_cache)."""
+    @nn.nowrap
+    def embed(self, embedding, input_ids, positions):
+        """Token plus learned absolute position embeddings, each token at its own position."""
         c = self.config
-        embedding = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
-        positions = self.param(
+        table = self.param(
             "pos_embed", nn.initializers.normal(0.01), (c.max_position_embeddings, c.hidden_size), self.dtype
         )
-        x = jnp.take(embedding, input_ids, axis=0) + jnp.take(positions, inputs.positions, axis=0)
-        x, kv_cache = run_layer_stack(
-            GPT2Block, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
-        )
-        h = LayerNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("SD,VD->SV", h, embedding, preferred_element_type=jnp.float32)
-        else:
-            head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size), self.dtype)
-            logits = jnp.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
-        return logits, kv_cache
+        return jnp.take(embedding, input_ids, axis=0) + jnp.take(table, positions, axis=0)
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:

@@ -12,7 +12,7 @@ The layers are stacked and scanned over the flat all-layer KV cache (`run_layer_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -35,25 +35,45 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, inputs: AttentionInputs):
         x, kv_pages = carry
+        layer_inputs = inputs_for_layer(inputs, layer, self.pages_per_layer, self.page_size)
+        norm = self.norm_cls
+        attn_out, kv_pages = self.make_attention()(norm(self.config.rms_norm_eps, self.dtype, name="input_norm")(x),
+                                                   kv_pages, layer_inputs)
+        h = x + attn_out
+        out = h + self.make_mlp()(norm(self.config.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
+        return (out, kv_pages), None
+
+    # What a family may swap (GPT-2 does): the norm, the MLP, RoPE.
+    norm_cls: ClassVar[type[nn.Module]] = RMSNorm
+    uses_rope: ClassVar[bool] = True
+
+    @nn.nowrap
+    def make_mlp(self) -> nn.Module:
         c = self.config
-        attn = PagedAttention(
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
+
+    @nn.nowrap
+    def make_attention(self) -> nn.Module:
+        c = self.config
+        return PagedAttention(
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             sliding_window=c.sliding_window, attention_impl=self.attention_impl, dtype=self.dtype,
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, name="attn",
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, use_rope=self.uses_rope, name="attn",
         )
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
-        layer_inputs = inputs_for_layer(inputs, layer, self.pages_per_layer, self.page_size)
-        attn_out, kv_pages = attn(RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), kv_pages, layer_inputs)
-        h = x + attn_out
-        out = h + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
-        return (out, kv_pages), None
 
 
 class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
+    block: ClassVar[type[DecoderBlock]] = DecoderBlock
+
+    @nn.nowrap
+    def embed(self, embedding, input_ids, positions):
+        """Token embeddings of the flattened tokens (families with learned positions add them)."""
+        del positions  # RoPE applies positions inside attention
+        return jnp.take(embedding, input_ids, axis=0)
 
     @nn.compact
     def __call__(self, input_ids, kv_cache, inputs: AttentionInputs, logits_indices):
@@ -61,11 +81,11 @@ class LlamaForCausalLM(nn.Module):
         Returns (logits f32[S, V], kv_cache)."""
         c = self.config
         embedding = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
-        x = jnp.take(embedding, input_ids, axis=0)
+        x = self.embed(embedding, input_ids, inputs.positions)
         x, kv_cache = run_layer_stack(
-            DecoderBlock, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
+            self.block, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
         )
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
+        h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = jnp.einsum("SD,VD->SV", h, embedding, preferred_element_type=jnp.float32)
         else:
