@@ -21,7 +21,7 @@ from orca_jax.sampling_params import SamplingParams
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "attention_impl", "tensor_parallel_size", "page_size", "num_pages")
+                "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "scheduling")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help=f"(default: {EngineConfig.tensor_parallel_size})")
     parser.add_argument("--page-size", type=int, default=None, help=f"(default: {EngineConfig.page_size})")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
+    parser.add_argument("--scheduling", default=None, choices=["iteration", "request"],
+                        help="iteration-level (Orca) or request-level static batching (default: iteration)")
 
 
 def _engine_config(args) -> EngineConfig:

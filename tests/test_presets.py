@@ -149,3 +149,12 @@ def test_every_package_directory_is_listed_in_pyproject():
     on_disk.add("orca_jax")
     assert on_disk <= listed
     assert "orca_jax.configs" in listed
+
+
+def test_scheduling_flag_overrides_the_preset():
+    from orca_jax.cli import _engine_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--config", "smollm2-cpu", "--scheduling", "request"])
+    assert _engine_config(args).scheduling == "request"
+    args = build_parser().parse_args(["serve", "--config", "smollm2-cpu"])
+    assert _engine_config(args).scheduling == "iteration"
