@@ -21,7 +21,7 @@ from orca_jax.batch import build_batch
 from orca_jax.config import EngineConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kernels import resolve_impl
-from orca_jax.kv_cache import PageAllocator, create_kv_cache
+from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.runner import ModelRunner
@@ -234,9 +234,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
         if self.runner.kv_cache.is_deleted():
-            self.runner.kv_cache = create_kv_cache(
-                self.model_config, self.runner.num_pages, self.config.page_size, self.runner.kv_dtype
-            )
+            self.runner.reset_kv_cache()
             # Newest first: each preemption requeues at the front, so arrival order survives.
             for seq in reversed(list(self.scheduler.running)):
                 self.scheduler.preempt(seq)

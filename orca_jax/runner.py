@@ -66,7 +66,7 @@ class ModelRunner:
         self.params = to_device_consuming(params, self.dtype)
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
         self.num_pages = choose_num_pages(config, model_config, self.kv_dtype)
-        self.kv_cache = create_kv_cache(model_config, self.num_pages, config.page_size, self.kv_dtype)
+        self.reset_kv_cache()
         # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned
         # positions) ignores them.
         self.inv_freq = jnp.asarray(rope_inv_freq(
@@ -78,6 +78,10 @@ class ModelRunner:
         )
         self._forward = jax.jit(functools.partial(forward, self.model), donate_argnames=("kv_cache",))
         self._programs: dict[int, jax.stages.Compiled] = {}
+
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed cache (at start-up, and after a failed step consumed the donated one)."""
+        self.kv_cache = create_kv_cache(self.model_config, self.num_pages, self.config.page_size, self.kv_dtype)
 
     def warmup(self) -> None:
         """Compile one program per token bucket and run each once."""
