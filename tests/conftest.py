@@ -238,6 +238,33 @@ def drive_engine_against_hf(engine, hf_model, rng, prompt_lengths=(5, 23, 12, 37
     return stats
 
 
+def assert_greedy_matches_hf_generate(llm, hf_model, prompts, num_new: int) -> None:
+    """`llm.generate` (greedy, ignore_eos) gives exactly HF `generate`'s tokens for every prompt,
+    batched, and returns every page."""
+    import torch
+
+    from orca_jax import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False)
+    hf_model.generation_config.eos_token_id = None  # like ignore_eos: always num_new new tokens
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=num_new, pad_token_id=0)[0, len(prompt):].tolist()
+        assert len(ref) == num_new
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].finish_reason == "length"
+    assert llm.engine.allocator.num_used == 0
+
+
+@pytest.fixture(scope="session")
+def greedy_matches_hf():
+    """`assert_greedy_matches_hf_generate(llm, hf_model, prompts, num_new)` for model tests."""
+    return assert_greedy_matches_hf_generate
+
+
 @pytest.fixture(scope="session")
 def engine_parity():
     """`drive_engine_against_hf(engine, hf_model, rng, ...) -> stats` for parity tests (test

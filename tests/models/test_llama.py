@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-import orca_jax.batch
-from orca_jax import LLM, SamplingParams
+from orca_jax import LLM
 from orca_jax.engine import LLMEngine
 from orca_jax.models.layers import AttentionInputs, rope_inv_freq
 from orca_jax.models.llama import LlamaForCausalLM
@@ -149,25 +148,12 @@ def test_llama3_rope_config_is_applied(parity_results):
 # ---------------------------------------------------------------------------------------------
 # Greedy generation through LLM / LLMEngine.step equals HF generate.
 # ---------------------------------------------------------------------------------------------
-def test_greedy_generation_matches_hf_generate(tiny_llama_dir):
-    num_new = 16
+def test_greedy_generation_matches_hf_generate(tiny_llama_dir, greedy_matches_hf):
     rng = np.random.default_rng(123)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 11, 20, 29, 6)]
     llm = LLM(model=str(tiny_llama_dir), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
               num_pages=64, max_model_len=128)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False)
-
-    hf = _hf_model(tiny_llama_dir)
-    hf.generation_config.eos_token_id = None  # like ignore_eos: always 16 new tokens
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=num_new, pad_token_id=0)[0, len(prompt):].tolist()
-        assert len(ref) == num_new
-        assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens"
-        assert out.outputs[0].finish_reason == "length"
+    greedy_matches_hf(llm, _hf_model(tiny_llama_dir), prompts, num_new=16)
     assert llm.engine.allocator.num_used == 0
 
 

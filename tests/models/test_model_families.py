@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_jax import LLM, SamplingParams
+from orca_jax import LLM
 from orca_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from orca_jax.engine import LLMEngine
 from orca_jax.models import ARCHITECTURES, architecture
@@ -119,25 +119,13 @@ def test_mistral_window_changes_the_reference(tiny_hf_model_factory):
 # Greedy generation through LLM equals HF generate.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_greedy_generation_matches_hf_generate(tiny_hf_model_factory, name):
-    num_new = 16
+def test_greedy_generation_matches_hf_generate(tiny_hf_model_factory, greedy_matches_hf, name):
     directory = _model_dir(tiny_hf_model_factory, name)
     rng = np.random.default_rng(123)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (3, 11, 20, 29)]
     llm = LLM(model=str(directory), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
               num_pages=64, max_model_len=128)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False)
-
-    hf = _hf_model(directory)
-    hf.generation_config.eos_token_id = None  # like ignore_eos: always 16 new tokens
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=num_new, pad_token_id=0)[0, len(prompt):].tolist()
-        assert len(ref) == num_new
-        assert out.outputs[0].token_ids == ref, f"{name}: prompt of {len(prompt)} tokens"
-    assert llm.engine.allocator.num_used == 0
+    greedy_matches_hf(llm, _hf_model(directory), prompts, num_new=16)
 
 
 # ---------------------------------------------------------------------------------------------
