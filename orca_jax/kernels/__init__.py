@@ -1,16 +1,26 @@
 """The one attention entry point. Implementations share the signature of
-`reference.ragged_paged_attention`; `impl` picks one, and "auto" picks by backend.
+`reference.ragged_paged_attention`; `impl` picks one, and "auto" picks by backend:
+
+    impl           runs on                    notes
+    "reference"    any backend                pure jnp; the CPU path and the test oracle
+    "pallas_gpu"   NVIDIA GPUs                Triton-lowered Pallas kernel; on other backends
+                                              it runs in Pallas' interpreter (tests)
+    "pallas_tpu"   TPUs                       jax's own ragged paged attention kernel
 
 The engine resolves `impl` once at start-up (`resolve_impl`) and logs the choice, so a
-jitted step never dispatches on anything but a static string.
+jitted step never dispatches on anything but a static string. A kernel that cannot take a
+model's shapes (say head_dim 80) hands that model to the reference, saying why once.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 
+from orca_jax.kernels import ragged_paged_attention_gpu as gpu_kernel
+from orca_jax.kernels import ragged_paged_attention_tpu as tpu_kernel
 from orca_jax.kernels import reference
 from orca_jax.kernels.reference import write_kv
 
@@ -18,8 +28,34 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ragged_paged_attention", "write_kv", "resolve_impl", "available_impls"]
 
-# Implementations registered here. The Pallas kernels (GPU, TPU) plug in under their names.
-_IMPLS = {"reference": reference.ragged_paged_attention}
+# The backend each kernel is built for; "auto" picks the kernel of the running backend.
+_KERNEL_FOR_BACKEND = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback_once(impl: str, reason: str) -> None:
+    logger.warning("attention: %s cannot serve this model (%s); using the reference", impl, reason)
+
+
+def _pallas_gpu(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
+                sliding_window=None, soft_cap=None):
+    reason = gpu_kernel.unsupported_reason(q.shape[-1], kv_pages.shape[1])
+    if reason is not None:
+        _log_fallback_once("pallas_gpu", reason)
+        return reference.ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+                                                sm_scale=sm_scale, sliding_window=sliding_window,
+                                                soft_cap=soft_cap)
+    return gpu_kernel.ragged_paged_attention(
+        q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=jax.default_backend() != "gpu")
+
+
+_IMPLS = {
+    "reference": reference.ragged_paged_attention,
+    "pallas_gpu": _pallas_gpu,
+    "pallas_tpu": tpu_kernel.ragged_paged_attention,
+}
 
 
 def available_impls() -> tuple[str, ...]:
@@ -27,15 +63,19 @@ def available_impls() -> tuple[str, ...]:
 
 
 def resolve_impl(impl: str = "auto", backend: str | None = None) -> str:
-    """Turn "auto" into a concrete implementation name for `backend` (default: JAX's)."""
+    """Turn "auto" into a concrete implementation for `backend` (default: JAX's), check that
+    the choice can run there, and log it."""
     backend = backend or jax.default_backend()
     if impl == "auto":
-        preferred = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "reference")
-        impl = preferred if preferred in _IMPLS else "reference"
-        if impl != preferred:
-            logger.warning("attention: %s kernel not available in this build; using the reference", preferred)
+        impl = _KERNEL_FOR_BACKEND.get(backend, "reference")
     if impl not in _IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not available; choose from {available_impls()}")
+    if impl == "pallas_tpu" and backend != "tpu":
+        raise ValueError(f"attention_impl='pallas_tpu' runs only on TPU (this backend is {backend}); "
+                         "use 'auto' or 'reference'")
+    if impl == "pallas_gpu" and backend not in ("gpu", "cuda"):
+        logger.warning("attention: the Pallas GPU kernel runs in interpret mode on %s: correct but slow, "
+                       "meant for tests", backend)
     logger.info("attention implementation: %s (backend %s)", impl, backend)
     return impl
 

@@ -16,7 +16,6 @@ i.e. after rounding to the input dtype):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -24,90 +23,9 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention, write_kv
+from orca_jax.kernels.testing import MIXES, assert_matches_oracle, make_case
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
-
-
-# --------------------------------------------------------------------------------------------
-# float64 oracle: plain loops, one sequence and one query token at a time.
-# --------------------------------------------------------------------------------------------
-
-def oracle_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
-                     sliding_window=None, soft_cap=None):
-    q = np.asarray(q, np.float64)
-    kv_pages = np.asarray(kv_pages, np.float64)
-    T, num_q_heads, head_dim = q.shape
-    _, page_size, two_kv_heads, _ = kv_pages.shape
-    group = num_q_heads // (two_kv_heads // 2)
-    out = np.zeros((T, num_q_heads, head_dim), np.float64)
-    for s in range(int(num_seqs[0])):
-        start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
-        q_len, kv_len = end - start, int(kv_lens[s])
-        # This sequence's cache, read position by position through its page table.
-        keys = np.stack([kv_pages[page_table[s, p // page_size], p % page_size, 0::2] for p in range(kv_len)])
-        values = np.stack([kv_pages[page_table[s, p // page_size], p % page_size, 1::2] for p in range(kv_len)])
-        for i in range(q_len):
-            query_pos = kv_len - q_len + i
-            key_pos = np.arange(kv_len)
-            visible = key_pos <= query_pos
-            if sliding_window is not None:
-                visible &= query_pos - key_pos < sliding_window
-            for h in range(num_q_heads):
-                kvh = h // group
-                scores = keys[visible, kvh] @ q[start + i, h] * sm_scale
-                if soft_cap is not None:
-                    scores = soft_cap * np.tanh(scores / soft_cap)
-                w = np.exp(scores - scores.max())
-                w /= w.sum()
-                out[start + i, h] = w @ values[visible, kvh]
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Ragged batch construction.
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Case:
-    q: np.ndarray
-    kv_pages: np.ndarray
-    kv_lens: np.ndarray
-    page_table: np.ndarray
-    cu_q_lens: np.ndarray
-    num_seqs: np.ndarray
-    num_real_tokens: int
-
-
-def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad_seqs=2,
-              pad_tokens=3, extra_pages=3, max_pages_per_seq=None, dtype=np.float32, q_scale=1.0):
-    """seqs: [(q_len, kv_len)]; kv_len includes this step's q_len tokens."""
-    rng = np.random.default_rng(seed)
-    S = len(seqs) + pad_seqs
-    pages_needed = [-(-kv_len // page_size) for _, kv_len in seqs]
-    max_pages = max_pages_per_seq or max(pages_needed + [1]) + 1
-    num_pages = 1 + sum(pages_needed) + extra_pages
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    unowned = free[sum(pages_needed):] + [0]  # never handed to a sequence
-
-    kv_pages = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float64)
-    # Padding rows: garbage lengths and page tables pointing at NaN pages.
-    page_table = rng.choice(unowned, size=(S, max_pages)).astype(np.int32)
-    kv_lens = rng.integers(1, max_pages * page_size + 1, size=S).astype(np.int32)
-    for s, ((q_len, kv_len), n) in enumerate(zip(seqs, pages_needed)):
-        assert 0 < q_len <= kv_len
-        pages = [free.pop() for _ in range(n)]
-        page_table[s, :n] = pages  # entries past n keep pointing at unowned (NaN) pages
-        kv_lens[s] = kv_len
-        for p in range(kv_len):
-            kv_pages[pages[p // page_size], p % page_size] = rng.standard_normal((2 * num_kv_heads, head_dim))
-
-    total = sum(q_len for q_len, _ in seqs)
-    T = total + pad_tokens
-    cu_q_lens = np.full(S + 1, total, np.int32)
-    cu_q_lens[: len(seqs) + 1] = np.concatenate([[0], np.cumsum([q for q, _ in seqs])])
-    q = rng.standard_normal((T, num_q_heads, head_dim)) * q_scale  # padding tokens get finite q
-    return Case(q.astype(dtype), kv_pages.astype(dtype), kv_lens, page_table, cu_q_lens,
-                np.array([len(seqs)], np.int32), total)
 
 
 def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
@@ -116,27 +34,9 @@ def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
         jnp.asarray(case.page_table), jnp.asarray(case.cu_q_lens), jnp.asarray(case.num_seqs),
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl="reference")
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    out = np.asarray(out).astype(np.float64)
-    # The oracle reads the inputs exactly as the kernel got them (already rounded to dtype).
-    expected = oracle_attention(
-        np.asarray(case.q).astype(np.float64), np.asarray(case.kv_pages).astype(np.float64),
-        case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
-    n = case.num_real_tokens
-    assert np.all(np.isfinite(out)), "NaN/inf in the output: padding was read"
-    np.testing.assert_allclose(out[:n], expected[:n], rtol=tol, atol=tol)
-    # Padding tokens: finite zeros.
-    np.testing.assert_array_equal(out[n:], 0.0)
-    return float(np.max(np.abs(out[:n] - expected[:n]), initial=0.0))
+    return assert_matches_oracle(out, case, sm_scale=sm_scale, sliding_window=sliding_window,
+                                 soft_cap=soft_cap, tol=tol)
 
-
-# (name, seqs) with seqs = [(q_len, kv_len), ...]
-MIXES = {
-    "decode": [(1, 37), (1, 1), (1, 128), (1, 129), (1, 300), (1, 16)],
-    "prefill": [(23, 23), (1, 1), (64, 64), (130, 130)],
-    "mixed": [(1, 200), (17, 17), (1, 9), (40, 40), (1, 64)],
-    "chunked": [(16, 160), (5, 133), (1, 50), (32, 32), (7, 7 + 128)],
-}
 
 # (gqa ratio, num_kv_heads, head_dim, page_size, mix, sliding window, soft cap)
 CONFIGS = [

@@ -1,0 +1,268 @@
+"""Ragged paged attention as one Pallas kernel for NVIDIA GPUs.
+
+One launch computes the attention of a whole mixed step: decode tokens, prefill chunks and
+chunked prefills that continue a cached prefix, with the contract and KV layout of
+`reference.ragged_paged_attention` (DESIGN.md section 4).
+
+Work split. The query tokens of each sequence are cut into blocks of `block_q` tokens; a
+program owns one (query block, KV head, KV split). It packs the `group` query heads that share
+its KV head into the rows of one matrix, `block_q * group` rows, so K/V pages read once serve
+every head of the group (GQA). It walks its sequence's pages through the page table, a block
+of `kv_block_tokens` at a time, with an online softmax in float32, masking causally (query
+token i of a sequence sits at cache position `kv_len - q_len + i`), by the sliding window and
+with the soft cap. Only the KV blocks some row of the program can see are read.
+
+Split KV (flash decoding). A step of a few long decodes would leave most of the GPU idle with
+one program per (sequence, KV head). With `num_kv_splits > 1` each program takes one slice of
+its KV range and writes a partial output with its log-sum-exp; a small XLA epilogue merges the
+slices. "auto" picks the split count from the static shapes: enough programs to fill the GPU.
+
+Lowering: Triton, chosen explicitly through `pltriton.CompilerParams`, although jax now
+defaults Pallas on GPU to Mosaic GPU and deprecates the Triton path, because
+  - Mosaic GPU targets Hopper and newer only; Triton also runs on the A100, L4 and T4 that
+    serving fleets and Colab notebooks have;
+  - the page-table gather is a data-dependent row gather, which Triton's pointer loads express
+    directly, where Mosaic GPU wants TMA copies of whole tiles per page;
+  - the same kernel body runs on CPU with `interpret=True`, which is how tests check it.
+A Mosaic GPU port (warp-specialised, TMA-pipelined pages) is the follow-up for Hopper.
+
+Triton needs power-of-two block shapes, so the wrapper pads the query-head group to a power of
+two and the query axis by one block; the padded rows are computed and dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# A finite "minus infinity" so exp(m_old - m_new) stays defined before a row has seen a key.
+_MASK_VALUE = -1e30
+# Programs to aim for when choosing the KV split: a few per streaming multiprocessor of an
+# H100/H200 (132 SMs), so that uneven sequences still leave none idle.
+_TARGET_PROGRAMS = 4 * 132
+_MAX_KV_SPLITS = 16
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def unsupported_reason(head_dim: int, page_size: int) -> str | None:
+    """Why this kernel cannot take a model's shapes, or None when it can (Triton blocks are
+    powers of two, and its matrix products need at least 16 along every axis)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if page_size & (page_size - 1):
+        return f"page_size {page_size} is not a power of two"
+    return None
+
+
+def check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs) -> None:
+    """Shape and dtype checks that need no data (the kernel trusts the values)."""
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, two_kv_heads, kv_head_dim = kv_pages.shape
+    S = page_table.shape[0]
+    if two_kv_heads % 2:
+        raise ValueError(f"kv_pages axis 2 holds K and V interleaved and must be even, got {two_kv_heads}")
+    if num_q_heads % (two_kv_heads // 2):
+        raise ValueError(f"{num_q_heads} query heads do not divide into {two_kv_heads // 2} KV heads")
+    if kv_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    reason = unsupported_reason(head_dim, page_size)
+    if reason is not None:
+        raise ValueError(f"the Triton attention kernel cannot run this shape: {reason}")
+    if kv_lens.shape != (S,) or cu_q_lens.shape != (S + 1,) or num_seqs.shape != (1,):
+        raise ValueError(f"metadata shapes disagree: kv_lens {kv_lens.shape}, page_table {page_table.shape}, "
+                         f"cu_q_lens {cu_q_lens.shape}, num_seqs {num_seqs.shape}")
+    for name, a in (("kv_lens", kv_lens), ("page_table", page_table), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+
+
+def choose_num_kv_splits(num_q_blocks: int, num_kv_heads: int, max_kv_blocks: int) -> int:
+    """Split the KV range only when the grid without splits would leave the GPU underused,
+    and never into slices shorter than one KV block."""
+    programs = num_q_blocks * num_kv_heads
+    splits = -(-_TARGET_PROGRAMS // max(programs, 1))
+    return int(max(1, min(splits, max_kv_blocks, _MAX_KV_SPLITS)))
+
+
+def _query_blocks(cu_q_lens, num_seqs, block_q: int, num_blocks: int):
+    """Which sequence, and which of its query blocks, each grid row works on.
+
+    Returns block_seq i32[num_blocks] and block_index i32[num_blocks]; rows past the real
+    blocks get block_seq = -1 and do nothing. `num_blocks` is a static upper bound."""
+    S = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    real = jnp.arange(S) < num_seqs[0]
+    blocks_per_seq = jnp.where(real, (q_lens + block_q - 1) // block_q, 0)
+    first_block = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_seq, dtype=jnp.int32)])
+    rows = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(first_block, rows, side="right").astype(jnp.int32) - 1, 0, S - 1)
+    in_use = rows < first_block[-1]
+    return jnp.where(in_use, seq, -1), jnp.where(in_use, rows - first_block[seq], 0)
+
+
+def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_lens_ref,  # metadata
+            q_ref, kv_ref,  # data
+            o_ref, *lse_refs,  # outputs (lse only when splitting KV)
+            sm_scale, sliding_window, soft_cap, block_q, group, pages_per_block, num_kv_splits):
+    """One program: query block `program_id(0)`, KV head `program_id(1)`, KV split `program_id(2)`.
+
+    q_ref [T_pad, num_kv_heads, group, head_dim]; kv_ref [num_pages, page_size, 2K, head_dim];
+    o_ref [splits, T_pad, num_kv_heads, group, head_dim]; lse_ref [splits, T_pad, K, group]."""
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq = block_seq_ref[b]
+    page_size, head_dim = kv_ref.shape[1], kv_ref.shape[3]
+    block_kv = pages_per_block * page_size
+    rows = block_q * group
+
+    @pl.when(seq >= 0)
+    def _():
+        q_start_seq = cu_q_lens_ref[seq]
+        q_len = cu_q_lens_ref[seq + 1] - q_start_seq
+        kv_len = kv_lens_ref[seq]
+        first_query = block_index_ref[b] * block_q  # this block's first query, within the sequence
+        q_start = q_start_seq + first_query
+
+        # Row r is query token r // group, head r % group of this KV head's group.
+        token = first_query + jnp.arange(rows, dtype=jnp.int32) // group
+        row_valid = token < q_len
+        query_pos = kv_len - q_len + token
+        last_pos = kv_len - q_len + jnp.minimum(first_query + block_q, q_len) - 1
+
+        # KV blocks any row can see: causal up to the last row, the window from the first.
+        first_kv_block = 0
+        if sliding_window is not None:
+            first_kv_block = jnp.maximum(kv_len - q_len + first_query - sliding_window + 1, 0) // block_kv
+        end_kv_block = last_pos // block_kv + 1
+        per_split = (end_kv_block - first_kv_block + num_kv_splits - 1) // num_kv_splits
+        lo = first_kv_block + split * per_split
+        hi = jnp.minimum(lo + per_split, end_kv_block)
+
+        q = q_ref[pl.ds(q_start, block_q), h, :, :].reshape(rows, head_dim)
+        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+        def visit(kv_block, carry):
+            m, l, acc = carry
+            pages = page_table_ref[seq, pl.ds(kv_block * pages_per_block, pages_per_block)]
+            k = kv_ref[pages, :, 2 * h, :].reshape(block_kv, head_dim)
+            v = kv_ref[pages, :, 2 * h + 1, :].reshape(block_kv, head_dim)
+            key_pos = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            # Slots past the sequence's end may hold anything (NaN in tests): 0 * NaN is NaN,
+            # so those values are replaced before the product, not only weighted by zero.
+            v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+            s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_kv] f32
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            visible = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None]
+            if sliding_window is not None:
+                visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            s = jnp.where(visible, s, _MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+            return m_new, l, acc
+
+        init = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, head_dim), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(lo, hi, visit, init)
+
+        has_keys = l > 0
+        out = jnp.where(has_keys[:, None], acc / jnp.where(has_keys, l, 1.0)[:, None], 0.0)
+        out = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
+        store_rows = (token < q_len).reshape(block_q, group)
+        pltriton.store(o_ref.at[split, pl.ds(q_start, block_q), h, :, :], out,
+                       mask=jnp.broadcast_to(store_rows[:, :, None], out.shape))
+        if lse_refs:
+            lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
+            pltriton.store(lse_refs[0].at[split, pl.ds(q_start, block_q), h, :],
+                           lse.reshape(block_q, group), mask=store_rows)
+
+
+def _merge_splits(partial_out, lse):
+    """Combine per-split outputs by their log-sum-exp weights (empty splits weigh zero).
+
+    partial_out [splits, T, K, G, D] float32; lse [splits, T, K, G]."""
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(lse - top)  # exp(-inf) = 0 for empty splits
+    total = jnp.sum(weights, axis=0)
+    merged = jnp.sum(weights[..., None] * jnp.where(weights[..., None] > 0, partial_out, 0.0), axis=0)
+    return merged / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "block_rows", "kv_block_tokens", "num_kv_splits",
+    "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32[S]
+    page_table: jax.Array,  # int32[S, max_pages_per_seq]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_rows: int = 64,
+    kv_block_tokens: int = 64,
+    num_kv_splits: int | str = "auto",
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
+    one KV head's group); `kv_block_tokens`: keys per inner step; `interpret=True` runs the
+    same kernel on any backend (tests on CPU)."""
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, two_kv_heads, _ = kv_pages.shape
+    num_kv_heads = two_kv_heads // 2
+    S, max_pages = page_table.shape
+    group = _next_power_of_2(num_q_heads // num_kv_heads)
+    block_q = max(1, block_rows // group)
+    pages_per_block = max(1, kv_block_tokens // page_size)
+    num_q_blocks = -(-T // block_q) + S  # every sequence may leave one partial block
+    max_kv_blocks = -(-max_pages // pages_per_block)
+    splits = (choose_num_kv_splits(num_q_blocks - S, num_kv_heads, max_kv_blocks)
+              if num_kv_splits == "auto" else int(num_kv_splits))
+
+    # Queries as [T + block_q, K, group (padded to a power of two), D]: a block that starts on
+    # a sequence's last token reads whole rows, and padded heads are computed then dropped.
+    real_group = num_q_heads // num_kv_heads
+    qg = q.reshape(T, num_kv_heads, real_group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group - real_group), (0, 0)))
+    # Room for the last KV block's page-table slice, pointing at the padding page.
+    page_table = jnp.pad(page_table, ((0, 0), (0, max_kv_blocks * pages_per_block - max_pages)))
+    block_seq, block_index = _query_blocks(cu_q_lens, num_seqs, block_q, num_q_blocks)
+
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((splits, T + block_q, num_kv_heads, group, head_dim), out_dtype)]
+    if splits > 1:
+        out_shape.append(jax.ShapeDtypeStruct((splits, T + block_q, num_kv_heads, group), jnp.float32))
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        block_q=block_q, group=group, pages_per_block=pages_per_block, num_kv_splits=splits)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_q_blocks, num_kv_heads, splits),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(block_seq, block_index, kv_lens, page_table, cu_q_lens, qg, kv_pages)
+
+    out = outs[0][0] if splits == 1 else _merge_splits(outs[0], outs[1])
+    out = out[:T, :, :real_group].reshape(T, num_q_heads, head_dim)
+    # Rows of padding tokens were never written: give them the reference's zeros.
+    is_real_token = jnp.arange(T) < cu_q_lens[num_seqs[0]]
+    return jnp.where(is_real_token[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,95 @@
+"""Ragged paged attention on TPU: jax's own Pallas TPU kernel, which shares our KV layout.
+
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes exactly our arguments (queries
+back to back, pages `[num_pages, page_size, 2 * num_kv_heads, head_dim]` with K and V
+interleaved, kv_lens, page table, cu_q_lens, num_seqs), so this file only chooses its block
+sizes from jax's tuning table and decides when it cannot serve:
+  - head_dim must be a multiple of 128 (the TPU lane width);
+  - the K/V head axis must tile the TPU's (8 x packing) sublanes, which jax checks in
+    `get_min_heads_per_blk`.
+Shapes outside those rules run the reference instead, with the reason logged once.
+
+The kernel does not run in Pallas' CPU interpreter, so tests cover everything around it:
+the support rule, the block sizes, the fallback and the dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from orca_jax.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+TPU_LANES = 128
+
+
+def _tpu_ops():
+    # Imported lazily: the module is importable everywhere, but only TPUs can run it.
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+    return rpa
+
+
+def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype) -> str | None:
+    """Why jax's TPU kernel cannot take these shapes, or None when it can."""
+    if head_dim % TPU_LANES:
+        return f"head_dim {head_dim} is not a multiple of {TPU_LANES}"
+    # jax states its own tiling rule (and its wording); versions without the helper skip it.
+    tiling_check = getattr(getattr(_tpu_ops(), "kernel", None), "get_min_heads_per_blk", None)
+    if tiling_check is not None:
+        try:
+            tiling_check(num_q_heads, 2 * num_kv_heads, q_dtype, kv_dtype)
+        except (ValueError, NotImplementedError) as e:
+            return f"{num_kv_heads} KV heads in {jnp.dtype(kv_dtype).name}: {e}"
+    return None
+
+
+def block_sizes(q, kv_pages, page_table, tuned_lookup=None) -> tuple[int, int]:
+    """(KV pages per block, queries per block) from jax's tuning table for this TPU.
+
+    `tuned_lookup` is jax's `get_tuned_block_sizes` (it reads the TPU version, so tests pass a
+    stand-in); its answer is clamped to this step's page-table width and token count."""
+    tuned_lookup = tuned_lookup or _tpu_ops().get_tuned_block_sizes
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, two_kv_heads, _ = kv_pages.shape
+    pages_per_seq = page_table.shape[1]
+    kv_pages_per_block, queries_per_block = tuned_lookup(
+        q.dtype, kv_pages.dtype, num_q_heads, two_kv_heads // 2, head_dim, page_size, T, pages_per_seq)
+    return max(1, min(kv_pages_per_block, pages_per_seq)), max(1, min(queries_per_block, T))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback_once(reason: str) -> None:
+    logger.warning("attention: jax's TPU ragged paged attention cannot serve this model (%s); "
+                   "using the reference", reason)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32[S]
+    page_table: jax.Array,  # int32[S, max_pages_per_seq]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """jax's TPU kernel where it serves these shapes, the reference where it does not."""
+    _, num_q_heads, head_dim = q.shape
+    reason = unsupported_reason(num_q_heads, kv_pages.shape[2] // 2, head_dim, q.dtype, kv_pages.dtype)
+    if reason is not None:
+        _log_fallback_once(reason)
+        return reference.ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+                                                sm_scale=sm_scale, sliding_window=sliding_window,
+                                                soft_cap=soft_cap)
+    kv_pages_per_block, queries_per_block = block_sizes(q, kv_pages, page_table)
+    return _tpu_ops().ragged_paged_attention(
+        q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        num_kv_pages_per_block=kv_pages_per_block, num_queries_per_block=queries_per_block)
