@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one command, for a session lent a GPU machine (the device
+# tool): about 8 minutes on an H200, each stage under its own time limit so that a slow one
+# still leaves the others' results. Run from the repository root:
+#
+#     run(command="bash benchmarks/gpu_session.sh", timeout_s=590)
+#
+# The machine has no network: orca_jax runs from this checkout (PYTHONPATH), on the machine's
+# own jax/flax/transformers; nothing here needs gguf or the server's packages. JSON and logs
+# land in $OUT (the device tool brings them back); copy the numbers into docs/benchmarks.md.
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/orca_jax_gpu}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax, flax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'transformers', transformers.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+
+stage() {  # stage NAME SECONDS COMMAND...: run one check, keep its log, never stop the others
+    local name=$1 seconds=$2
+    shift 2
+    echo "=== $name (limit ${seconds}s)"
+    timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "=== $name exit ${PIPESTATUS[0]}"
+}
+stage kernel_bench 270 python3 benchmarks/kernel_bench.py --json "$OUT/kernel_bench.json"
+stage step_bench 120 python3 benchmarks/step_bench.py --json "$OUT/step_bench.json"
+stage gpu_engine_check 90 python3 benchmarks/gpu_engine_check.py --batch-sizes 1,64 --out "$OUT/gpu_engine_check.json"

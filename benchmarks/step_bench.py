@@ -1,0 +1,119 @@
+"""One engine decode step on a GPU, against its memory roofline.
+
+    python benchmarks/step_bench.py                          # batches 64 and 256, context 1024
+    python benchmarks/step_bench.py --batch-sizes 64,256 --context 2048 --json step_bench.json
+
+A Llama-3.2-1B-shaped model (16 layers, 32 query / 8 KV heads, head_dim 64, vocabulary 128256,
+tied embeddings) with random bfloat16 weights, written as a safetensors checkpoint so the real
+loader runs (the GPU machine has no network). For each batch size: fill the batch with prompts
+of `--context` tokens, prefill them, then time 32 decode steps of `LLMEngine.step()` (schedule,
+build the batch, run the jitted step, sample, post-process) and report the median.
+
+Roofline: a decode step must read every weight once (the tied embedding once, as the LM head)
+and every sequence's K/V for every layer, so its floor is (weight bytes + KV bytes) / copy
+bandwidth, the copy measured on the same GPU. Target (issue 3): 60% of the roofline's
+tokens/s. The same steps also run with attention_impl="reference" for the ratio the kernel buys.
+
+Without a GPU it exits with status 2 and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_engine_check import LLAMA_3_2_1B, write_random_checkpoint  # noqa: E402
+from kernel_bench import copy_bandwidth_gbs, require_gpu  # noqa: E402
+
+
+def weight_bytes(config: dict, itemsize: int = 2) -> int:
+    D, F, V, L = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
+    N, K, H = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    per_layer = D * (N * H + 2 * K * H) + N * H * D + 3 * D * F + 2 * D
+    head = V * D * (1 if config["tie_word_embeddings"] else 2)
+    return itemsize * (L * per_layer + head + D)
+
+
+def kv_bytes_per_token(config: dict, itemsize: int = 2) -> int:
+    return itemsize * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"]
+
+
+def time_decode_steps(engine, batch: int, context: int, steps: int = 32) -> float:
+    """Median seconds of one decode step with `batch` sequences at ~`context` tokens."""
+    from orca_jax.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", rng.integers(3, 1000, context).tolist(),
+                           SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()  # prefill everything first
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return float(np.median(times))
+
+
+def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float) -> list[dict]:
+    from orca_jax.compile_guard import no_compiles
+    from orca_jax.engine import LLMEngine
+
+    path = write_random_checkpoint(workdir / "llama-1b", LLAMA_3_2_1B, "bfloat16")
+    pages_per_seq = -(-(context + 64) // 16)
+    rows = []
+    for impl in ("auto", "reference"):
+        engine = LLMEngine(model=str(path), dtype="bfloat16", attention_impl=impl, max_num_seqs=max(batch_sizes),
+                           max_num_batched_tokens=max(512, max(batch_sizes)), max_model_len=context + 128,
+                           page_size=16, num_pages=max(batch_sizes) * pages_per_seq + 1)
+        with no_compiles(f"decode steps ({impl})"):
+            for batch in batch_sizes:
+                step_s = time_decode_steps(engine, batch, context)
+                moved = weight_bytes(LLAMA_3_2_1B) + batch * (context + 16) * kv_bytes_per_token(LLAMA_3_2_1B)
+                roofline_tps = batch / (moved / (copy_gbs * 1e9))
+                row = {"attention_impl": engine.attention_impl, "batch": batch, "context": context,
+                       "median_step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
+                       "roofline_tokens_per_s": roofline_tps, "share_of_roofline": batch / step_s / roofline_tps}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del engine
+        gc.collect()  # free this engine's KV cache before the next one allocates its own
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    require_gpu()
+    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+              "model": "Llama-3.2-1B shapes, random bfloat16 weights",
+              "weight_bytes": weight_bytes(LLAMA_3_2_1B), "copy_gbs": copy_bandwidth_gbs()}
+    with tempfile.TemporaryDirectory() as tmp:
+        report["rows"] = run(Path(tmp), [int(b) for b in args.batch_sizes.split(",")], args.context,
+                             report["copy_gbs"])
+    for row in report["rows"]:
+        print(f"{row['attention_impl']:>10} batch {row['batch']:>4}: {row['tokens_per_s']:9.0f} tok/s, "
+              f"{row['median_step_ms']:.2f} ms/step, {row['share_of_roofline']:.0%} of roofline "
+              f"({row['roofline_tokens_per_s']:.0f} tok/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The GPU benchmark scripts refuse, loudly, to run without a GPU (their numbers would mean
+nothing on a CPU), and their byte accounting is what their docstrings say."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name,argv", [("kernel_bench", ["--quick"]), ("step_bench", []),
+                                       ("gpu_engine_check", ["--out", "/dev/null"])])
+def test_refuses_without_a_gpu(name, argv, capsys):
+    module = load(name)
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(module.main(argv))
+    assert exit_info.value.code == 2
+    assert "GPU" in capsys.readouterr().err
+
+
+def test_step_roofline_counts_every_weight_once():
+    step_bench = load("step_bench")
+    config = step_bench.LLAMA_3_2_1B
+    # Llama-3.2-1B has 1.236e9 parameters (tied embeddings): 2.47 GB in bfloat16.
+    assert step_bench.weight_bytes(config) == pytest.approx(2 * 1.2358e9, rel=1e-3)
+    # 16 layers x (K and V) x 8 heads x 64 dims x 2 bytes = 32 KiB per token.
+    assert step_bench.kv_bytes_per_token(config) == 32 * 1024
+
+
+def test_kernel_bench_counts_kv_queries_and_outputs():
+    kernel_bench = load("kernel_bench")
+    kernel_bench.NUM_Q_HEADS, kernel_bench.NUM_KV_HEADS, kernel_bench.HEAD_DIM = 4, 2, 16
+    arrays, moved = kernel_bench.make_step([(1, 40), (5, 21)])
+    q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs = arrays
+    assert q.shape == (6, 4, 16) and kv_pages.shape[1:] == (16, 4, 16)
+    assert list(kv_lens) == [40, 21] and list(cu_q_lens) == [0, 1, 6] and int(num_seqs[0]) == 2
+    # Every sequence's pages are its own: no page is shared or the padding page.
+    owned = [p for row, n in zip(page_table.tolist(), (3, 2)) for p in row[:n]]
+    assert len(set(owned)) == len(owned) and 0 not in owned
+    itemsize = 2  # bfloat16
+    assert moved == (40 + 21) * 2 * 2 * 16 * itemsize + 2 * 6 * 4 * 16 * itemsize
