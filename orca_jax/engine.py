@@ -8,6 +8,7 @@ touches the scheduler) and leave when every sample has finished or on `abort`.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import logging
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from orca_jax import multihost, parallel
 from orca_jax.batch import build_batch
 from orca_jax.config import EngineConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
+from orca_jax.multihost import StepChannel
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
@@ -61,13 +64,6 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True, **overrides):
         config = config or EngineConfig(**overrides)
-        if config.tensor_parallel_size != 1:
-            # The setting is part of the public contract; the sharded runner is not built yet,
-            # and silently running on one device would be worse than refusing.
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not "
-                "available in this version of orca_jax; use tensor_parallel_size=1"
-            )
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -76,8 +72,19 @@ class LLMEngine:
         self.config = config.resolve(loaded.config)
         self.tokenizer = loaded.tokenizer
         self.attention_impl = resolve_impl(self.config.attention_impl)
+        # A mesh for tensor parallelism, and always with several processes (multi-host): then
+        # process 0 (this engine's scheduler) hands every batch to the others.
+        mesh = None
+        if self.config.tensor_parallel_size > 1 or jax.process_count() > 1:
+            parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
+            mesh = parallel.make_mesh(self.config.tensor_parallel_size)
+        self.channel = StepChannel(self.config) if multihost.is_leader_of_many() else None
+        if self.channel is not None:
+            # However the leader's program ends, release the followers (they would otherwise
+            # wait in their next collective until jax.distributed's heartbeat gives up).
+            atexit.register(self.shutdown)
         params, loaded.params = loaded.params, None  # the runner takes the only reference
-        self.runner = ModelRunner(loaded.config, self.config, params, self.attention_impl)
+        self.runner = ModelRunner(loaded.config, self.config, params, self.attention_impl, mesh, self.channel)
         del params
         release_free_host_memory()
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
@@ -267,6 +274,12 @@ class LLMEngine:
             first_token_time=min(first_times) if first_times else None,
             finish_time=time.monotonic() if request.finished else None,
         )
+
+    def shutdown(self) -> None:
+        """Release the other processes of a multi-host run (they leave their step loop and
+        exit). Idempotent; nothing to do on one process."""
+        if self.channel is not None:
+            self.channel.send_stop()
 
     # ---- introspection -------------------------------------------------------------------------
     @property

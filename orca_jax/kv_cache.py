@@ -91,10 +91,11 @@ def kv_bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
     return model.num_layers * page_size * 2 * model.num_kv_heads * model.head_dim * itemsize
 
 
-def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=None) -> int:
+def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=None, num_shards: int = 1) -> int:
     """Pages that fit the memory budget: a fraction of free accelerator memory (like vLLM's
     gpu_memory_utilization, measured after the weights are loaded), or a stated byte budget on
-    CPU, where JAX reports no memory limit."""
+    CPU, where JAX reports no memory limit. Both are per device: with the cache sharded over
+    `num_shards` devices (tensor parallelism), a device holds 1/num_shards of each page."""
     if config.num_pages is not None:
         return config.num_pages
     device = device or jax.local_devices()[0]
@@ -106,18 +107,21 @@ def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=Non
     else:
         budget = config.kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={budget}"
-    per_page = kv_bytes_per_page(model, config.page_size, dtype)
+    per_page = kv_bytes_per_page(model, config.page_size, dtype) // num_shards
     # Never more pages than every sequence at full length could use, plus the sink page.
     useful = config.max_num_seqs * config.max_pages_per_seq + 1
     num_pages = max(2, min(budget // per_page, useful))
     logger.info(
-        "KV cache: %d pages of %d tokens, %.1f MiB (%s)",
+        "KV cache: %d pages of %d tokens, %.1f MiB per device (%s)",
         num_pages, config.page_size, num_pages * per_page / 2**20, source,
     )
     return num_pages
 
 
-def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype) -> jax.Array:
-    """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> jax.Array:
+    """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim].
+    With a sharding (tensor parallelism) each device allocates only its own slice."""
     shape = (model.num_layers, num_pages, page_size, 2 * model.num_kv_heads, model.head_dim)
-    return jnp.zeros(shape, dtype)
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -18,7 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from orca_jax import parallel
 from orca_jax.batch import Batch, empty_batch
 from orca_jax.compile_guard import compile_count
 from orca_jax.config import EngineConfig, ModelConfig
@@ -58,30 +60,74 @@ def to_device_consuming(tree: dict, dtype) -> dict:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str):
-        self.model_config = model_config
+    """Owns the weights, the KV cache and the compiled step programs.
+
+    `mesh` (tensor parallelism, see `orca_jax.parallel`): weights, cache and batch carry
+    NamedShardings and every program is jitted with them explicitly; None keeps the
+    single-device path exactly as it is. `params` is the converted weights as numpy
+    ({"params": ...}) or a restorable checkpoint (`orca_jax.checkpoint.Checkpoint`), which
+    restores straight into the shardings. `channel` (multi-host leader): every batch is
+    handed to the other processes before it runs, so they run the same program."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str,
+                 mesh: Mesh | None = None, channel=None):
         self.config = config
+        self.mesh = mesh
+        self.channel = channel
         self.dtype = jnp.dtype(config.dtype)
-        self.model = architecture(model_config.model_type).model_class(model_config, attention_impl, self.dtype)
-        self.params = to_device_consuming(params, self.dtype)
+        tp = mesh.shape[parallel.MODEL_AXIS] if mesh is not None else 1
+        # With tensor parallelism, KV heads may be stored replicated (see parallel.kv_head_repeats).
+        self.model_config = parallel.sharded_model_config(model_config, tp) if mesh is not None else model_config
+        self.model = architecture(model_config.model_type).model_class(
+            self.model_config, attention_impl, self.dtype, mesh=mesh)
+        self.params = self._place_params(params, model_config, tp)
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
-        self.num_pages = choose_num_pages(config, model_config, self.kv_dtype)
+        self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype, num_shards=tp)
+        self.kv_sharding = parallel.kv_cache_sharding(mesh) if mesh is not None else None
         self.reset_kv_cache()
         # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned
         # positions) ignores them.
-        self.inv_freq = jnp.asarray(rope_inv_freq(
+        self.inv_freq = self._put(np.asarray(rope_inv_freq(
             model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict,
             model_config.rope_freq_factors,
-        ))
-        self._step = jax.jit(
-            functools.partial(model_step, self.model, config.max_logprobs), donate_argnames=("kv_cache",)
-        )
-        self._forward = jax.jit(functools.partial(forward, self.model), donate_argnames=("kv_cache",))
+        )))
+        step = functools.partial(model_step, self.model, config.max_logprobs)
+        fwd = functools.partial(forward, self.model)
+        if mesh is None:
+            self._step = jax.jit(step, donate_argnames=("kv_cache",))
+            self._forward = jax.jit(fwd, donate_argnames=("kv_cache",))
+        else:
+            replicated = parallel.replicated(mesh)
+            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            inputs = (param_shardings, self.kv_sharding, replicated, replicated)
+            # out cache sharding == in cache sharding, so the donated buffer is reused in place.
+            self._step = jax.jit(step, in_shardings=inputs, out_shardings=(self.kv_sharding, replicated),
+                                 donate_argnames=("kv_cache",))
+            self._forward = jax.jit(fwd, in_shardings=inputs, out_shardings=(replicated, self.kv_sharding),
+                                    donate_argnames=("kv_cache",))
         self._programs: dict[int, jax.stages.Compiled] = {}
+
+    def _place_params(self, params, model_config: ModelConfig, tp: int):
+        if self.mesh is None:
+            if not isinstance(params, dict):  # a checkpoint: restore onto the one device
+                return params.restore(self.dtype)
+            return to_device_consuming(params, self.dtype)
+        repeats = parallel.kv_head_repeats(model_config, tp)
+        if not isinstance(params, dict):
+            return params.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
+        params = parallel.replicate_kv_heads(params, repeats)
+        return parallel.place_params(params, parallel.param_shardings(params, self.mesh), self.dtype)
+
+    def _put(self, tree):
+        """Host arrays -> device arrays (replicated over the mesh, if any)."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return parallel.put_replicated(tree, self.mesh)
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed cache (at start-up, and after a failed step consumed the donated one)."""
-        self.kv_cache = create_kv_cache(self.model_config, self.num_pages, self.config.page_size, self.kv_dtype)
+        self.kv_cache = create_kv_cache(self.model_config, self.num_pages, self.config.page_size, self.kv_dtype,
+                                        sharding=self.kv_sharding)
 
     def warmup(self) -> None:
         """Compile one program per token bucket and run each once."""
@@ -105,11 +151,29 @@ class ModelRunner:
     def logits(self, batch: Batch) -> np.ndarray:
         """Run the model on a batch and return its logits f32[S, V], updating the cache like a
         step does. For tests and debugging: compiled on first use, not part of serving."""
-        logits, self.kv_cache = self._forward(self.params, self.kv_cache, batch, self.inv_freq)
-        return np.asarray(logits)
+        logits, self.kv_cache = self._forward(self.params, self.kv_cache, self._batch(batch), self.inv_freq)
+        return _to_host(logits)
 
     def execute(self, batch: Batch) -> SampleOutput:
-        """Run one step; returns the sampled tokens (and log-probs) as host numpy arrays."""
+        """Run one step; returns the sampled tokens (and log-probs) as host numpy arrays. A
+        multi-host leader first hands the batch to the other processes."""
+        if self.channel is not None:
+            self.channel.send(batch)
+        return self.run(batch)
+
+    def run(self, batch: Batch) -> SampleOutput:
+        """Run one step of this process's part (followers call this directly)."""
         program = self._program(batch)
-        self.kv_cache, out = program(self.params, self.kv_cache, batch, self.inv_freq)
-        return jax.tree.map(np.asarray, out)
+        self.kv_cache, out = program(self.params, self.kv_cache, self._batch(batch), self.inv_freq)
+        return jax.tree.map(_to_host, out)
+
+    def _batch(self, batch: Batch) -> Batch:
+        # One device: numpy goes straight in, as before. Mesh: a replicated global array per
+        # field (built from this process's copy; every process holds the same batch).
+        return batch if self.mesh is None else self._put(batch)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A replicated result as numpy. Its first local shard is the whole value, which also holds
+    when other processes own some of its devices (then np.asarray(x) would refuse)."""
+    return np.asarray(x.addressable_data(0))

@@ -574,7 +574,3 @@ def test_persistent_compilation_cache_is_written(tiny_llama_dir, tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     assert cache.is_dir() and any(cache.iterdir())
 
-
-def test_tensor_parallelism_is_refused_until_it_exists(tiny_llama_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        LLMEngine(model=str(tiny_llama_dir), tensor_parallel_size=2, warmup=False)

@@ -15,7 +15,7 @@ from orca_jax.models import gpt2, llama
 
 @dataclass(frozen=True)
 class Architecture:
-    # Called as model_class(config, attention_impl, dtype); applied as
+    # Called as model_class(config, attention_impl, dtype, mesh=None); applied as
     # (input_ids, kv_cache, AttentionInputs, logits_indices) -> (logits, kv_cache).
     model_class: type[nn.Module]
     # (HF tensors by name, consumed; config) -> {"params": tree of numpy arrays}

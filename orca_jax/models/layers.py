@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import kernels
+from orca_jax import kernels, parallel
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,9 @@ class PagedAttention(nn.Module):
     dtype: Any = jnp.float32
     qk_norm_eps: float | None = None
     use_rope: bool = True
+    # A device mesh (tensor parallelism): the cache write and attention then run per shard,
+    # on each device's own heads. None: one device, the kernels called directly.
+    mesh: Any = None
 
     @nn.compact
     def __call__(self, x, kv_pages, inputs: AttentionInputs):
@@ -232,10 +235,20 @@ class PagedAttention(nn.Module):
         if self.use_rope:
             q = apply_rope(q, inputs.positions, inputs.inv_freq)
             k = apply_rope(k, inputs.positions, inputs.inv_freq)
-        kv_pages = kernels.write_kv(kv_pages, k, v, inputs.slot_mapping)
-        out = kernels.ragged_paged_attention(
-            q, kv_pages, inputs.kv_lens, inputs.page_table, inputs.cu_q_lens, inputs.num_seqs,
-            sm_scale=H ** -0.5, sliding_window=self.sliding_window, impl=self.attention_impl,
-        )
+        metadata = (inputs.slot_mapping, inputs.kv_lens, inputs.page_table, inputs.cu_q_lens, inputs.num_seqs)
+        attend = self._attend if self.mesh is None else parallel.per_shard_attention(self.mesh, self._attend)
+        out, kv_pages = attend(q, k, v, kv_pages, metadata)
         out = Einsum("TNH,NHD->TD", (N, H, D), self.o_bias, self.dtype, name="o_proj")(out)
+        return out, kv_pages
+
+    @nn.nowrap
+    def _attend(self, q, k, v, kv_pages, metadata):
+        """Write this step's K/V into the cache, then attend; on one device's heads when
+        sharded (the head counts come from the arrays, not the module)."""
+        slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs = metadata
+        kv_pages = kernels.write_kv(kv_pages, k, v, slot_mapping)
+        out = kernels.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+            sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window, impl=self.attention_impl,
+        )
         return out, kv_pages

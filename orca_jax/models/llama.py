@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.models.hf_weights import HFTensors
 from orca_jax.models.layers import (
@@ -31,6 +32,7 @@ class DecoderBlock(nn.Module):
     page_size: int
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
+    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
 
     @nn.compact
     def __call__(self, carry, layer, inputs: AttentionInputs):
@@ -59,7 +61,8 @@ class DecoderBlock(nn.Module):
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             sliding_window=c.sliding_window, attention_impl=self.attention_impl, dtype=self.dtype,
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, use_rope=self.uses_rope, name="attn",
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, use_rope=self.uses_rope, mesh=self.mesh,
+            name="attn",
         )
 
 
@@ -67,6 +70,7 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
+    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
     block: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     @nn.nowrap
@@ -84,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(embedding, input_ids, inputs.positions)
         x, kv_cache = run_layer_stack(
             self.block, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
+            mesh=self.mesh,
         )
         h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
@@ -91,6 +96,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size), self.dtype)
             logits = jnp.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
+        if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
+            logits = parallel.gather_logits(self.mesh, logits)
         return logits, kv_cache
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint loading: HF directories (safetensors), GGUF files, and the embedded default model.
+"""Checkpoint loading: HF directories (safetensors), GGUF files, the embedded default model, and
+orca_jax's own orbax checkpoints (`orca_jax.checkpoint`, already converted).
 
 Every source is first read as a flat dict of HF-named numpy tensors (PyTorch layout), then
 converted once, by the converter of its model family (`orca_jax.models.ARCHITECTURES`), into
@@ -31,7 +32,9 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict[str, Any]  # {"params": {...}} numpy arrays, ready for jax.device_put
+    # {"params": {...}} numpy arrays, ready for jax.device_put; or, for an orca_jax checkpoint,
+    # the opened `orca_jax.checkpoint.Checkpoint`, restored later straight into its shardings.
+    params: Any
     tokenizer: Any
     source: str
 
@@ -85,6 +88,11 @@ def load_model(model: str | os.PathLike | None) -> LoadedModel:
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path)
     if path.is_dir():
+        from orca_jax import checkpoint
+
+        if checkpoint.is_checkpoint(path):  # converted before: no conversion now
+            opened = checkpoint.open_checkpoint(path)
+            return LoadedModel(opened.config, opened, checkpoint.load_tokenizer(opened), str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and ggufs:
             return _load_gguf(ggufs[0])
