@@ -1,7 +1,10 @@
 """`orca-jax` command line.
 
     orca-jax generate "PROMPT"   stream one completion to the terminal
-    orca-jax serve               OpenAI-compatible HTTP server (see orca_jax/server.py)
+    orca-jax serve               OpenAI-compatible HTTP server (see orca_jax/server.py); multi-host
+                                 with --coordinator-address/--num-processes/--process-id
+    orca-jax convert MODEL DIR   convert weights once into an orbax checkpoint (orca_jax/checkpoint.py)
+    orca-jax bench orca|offline|serve|simulate   Orca's experiment and its peers (orca_jax/bench/)
 
 Both take `--config PRESET` (configs/*.toml, see orca_jax/presets.py); flags override it.
 """
@@ -72,17 +75,38 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from orca_jax import multihost
     from orca_jax.engine import LLMEngine
     from orca_jax.server import ServerSettings, serve
 
+    if multihost.wants_distributed(args.coordinator_address, args.num_processes):
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     config = _engine_config(args)
+    if multihost.is_follower():
+        # No server, no scheduler: run the leader's steps on this host's devices until it stops.
+        engine = LLMEngine(config, warmup=False)
+        multihost.follow(engine.runner, multihost.StepChannel(engine.config))
+        return 0
     engine = LLMEngine(config)  # warm-up compiles every bucket before the port opens
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or "SmolLM2-135M-Instruct",
         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
     )
-    serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
-          log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout)
+    try:
+        serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
+              log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout)
+    finally:
+        engine.shutdown()  # multi-host: the followers leave their loop and exit with us
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from orca_jax.checkpoint import convert
+
+    model = None if args.model == "default" else args.model
+    timings = convert(model, args.out_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    print(f"saved {args.out_dir} (load + convert {timings['convert_s']:.1f} s, total {timings['total_s']:.1f} s); "
+          f"use it as --model {args.out_dir}")
     return 0
 
 
@@ -100,6 +124,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get 413")
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                         help="seconds to wait for open connections at shutdown")
+    # Multi-host (jax.distributed): process 0 serves HTTP and schedules, the others follow.
+    # On a Cloud TPU VM slice none is needed: JAX reads the slice's own environment.
+    parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                        help="multi-host: process 0's address for jax.distributed (default: $JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (0 serves)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     _add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    conv = sub.add_parser("convert", help="convert HF or GGUF weights once into an orbax checkpoint")
+    conv.add_argument("model", help="HF directory, .gguf file or hub id ('default': the embedded SmolLM2)")
+    conv.add_argument("out_dir", help="new directory for the checkpoint; use it later as --model / LLM(model=...)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    conv.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="save sharded over this many devices (restores at any size)")
+    conv.set_defaults(func=cmd_convert)
+
+    from orca_jax.bench.cli import add_bench_parser  # argparse only; the benchmarks import lazily
+
+    add_bench_parser(sub)
     return parser
 
 

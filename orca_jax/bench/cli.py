@@ -1,0 +1,242 @@
+"""`orca-jax bench orca | offline | serve | simulate`: argument parsing and output files.
+
+Every subcommand prints its table, writes a JSON record (and a figure where there are curves)
+and records the exact command, machine and date inside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive, got {text!r}")
+    return rates
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def write_json(record: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+# ---- bench orca -------------------------------------------------------------------------------------
+def cmd_orca(args) -> int:
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.orca import SweepSettings, format_report, run_sweep
+    from orca_jax.bench.plots import plot_curves
+
+    settings = SweepSettings(
+        model=args.model, scale=args.scale, num_requests=args.num_requests, rates=args.rates,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size, num_pages=args.num_pages, dtype=args.dtype, seed=args.seed,
+        slo_ms_per_token=args.slo_ms_per_token, policies=args.policies)
+    record = run_sweep(settings, command_from_args("orca", args), progress=lambda line: print(line, flush=True))
+    print(format_report(record))
+    write_json(record, args.json)
+    if args.plot:
+        title = (f"orca_jax, {Path(record['model']).name} ({record['machine']['jax_backend']})\n"
+                 f"Orca's trace at length scale {args.scale}, max_num_seqs {args.max_num_seqs}, "
+                 f"{args.num_requests} requests per rate")
+        if plot_curves(record["curves"], args.plot, title=title, slo_ms_per_token=record.get("slo_ms_per_token")):
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _add_orca_parser(sub) -> None:
+    p = sub.add_parser("orca", help="Orca's experiment in-process: both scheduling policies over arrival rates")
+    p.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: the embedded SmolLM2)")
+    p.add_argument("--scale", type=_positive_float, default=0.25,
+                   help="length scale: input U[32, 512] and output U[1, 128] times this (default 0.25)")
+    p.add_argument("--num-requests", type=_positive_int, default=48, help="requests per rate (default 48)")
+    p.add_argument("--rates", type=_rates, default=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
+                   help="comma-separated arrival rates, requests/s")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="max batch size, both policies")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=256)
+    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--num-pages", type=_positive_int, default=None,
+                   help="KV pool, both policies (default: max_num_seqs full-length sequences)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ms-per-token", type=_positive_float, default=None,
+                   help="latency of the headline ratio (default: 2x the unloaded iteration-level latency)")
+    p.add_argument("--policies", type=_names, default=("iteration", "request"))
+    p.add_argument("--json", default="docs/orca_cpu.json", help="output JSON ('' for none)")
+    p.add_argument("--plot", default="docs/orca_cpu.png", help="output figure ('' for none)")
+    p.set_defaults(func=cmd_orca)
+
+
+# ---- bench offline ---------------------------------------------------------------------------------
+def cmd_offline(args) -> int:
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.offline import OfflineSettings, format_report, run_offline
+
+    settings = OfflineSettings(
+        model=args.model, num_requests=args.num_requests, scale=args.scale, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
+        page_size=args.page_size, peers=() if args.skip_peers else args.peers, seed=args.seed,
+        torch_threads=args.torch_threads, torch_device=args.torch_device, matmul_size=args.matmul_size,
+        matmul_repeats=args.matmul_repeats)
+    record = run_offline(settings, command_from_args("offline", args))
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0
+
+
+def add_offline_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `bench offline` (also used by benchmarks/throughput.py)."""
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--num-requests", type=_positive_int, default=48)
+    p.add_argument("--scale", type=_positive_float, default=0.5,
+                   help="length scale (0.5: input U[16, 256], output U[1, 64]); 1.0 is Orca's trace")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                   help="orca_jax max_num_seqs; also the static batch size and the continuous peer's batch")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=256,
+                   help="orca_jax token budget per step; also the continuous peer's max_batch_tokens")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="orca_jax dtype (the transformers peers always run float32)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--peers", type=_names, default=("static", "continuous"))
+    p.add_argument("--skip-peers", action="store_true", help="run orca_jax only (no torch needed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=_positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--torch-device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--matmul-size", type=_positive_int, default=2048, help="square matmul for the roofline rate")
+    p.add_argument("--matmul-repeats", type=_positive_int, default=5)
+    p.add_argument("--json", default=None, help="write every number here as JSON")
+
+
+def _add_offline_parser(sub) -> None:
+    p = sub.add_parser("offline", help="all requests at t=0: orca_jax vs transformers' static and continuous batching")
+    add_offline_arguments(p)
+    p.set_defaults(func=cmd_offline)
+
+
+# ---- bench serve -----------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    import asyncio
+
+    from orca_jax.bench.environment import now_utc
+    from orca_jax.bench.serve_client import ServeTarget, format_report, replay
+    from orca_jax.bench.trace import make_trace
+
+    vocab, exclude = args.vocab_size, tuple(range(min(args.min_token_id, args.vocab_size - 1)))
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        vocab, exclude = len(tok), tuple(tok.all_special_ids)
+    trace = make_trace(args.num_requests, args.scale, args.seed, vocab_size=vocab, exclude_ids=exclude,
+                       rate=args.rate)
+    target = ServeTarget(args.base_url.rstrip("/"), args.served_model, args.api_key, args.timeout,
+                         args.max_concurrency)
+    started = now_utc()
+    record = asyncio.run(replay(trace, target, show_progress=not args.no_progress))
+    record = {"benchmark": "serve", "date": started, "command": _serve_command(args),
+              "target": {k: v for k, v in vars(target).items() if k != "api_key"}, "trace": trace.describe(), **record}
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0 if record["failed"] == 0 else 1
+
+
+def _serve_command(args) -> str:
+    from orca_jax.bench.environment import command_from_args
+
+    return command_from_args("serve", args, skip=("api_key",))
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="replay the trace over HTTP against an OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--rate", type=_positive_float, default=None, help="Poisson arrival rate, req/s (default: all at once)")
+    p.add_argument("--num-requests", type=_positive_int, default=100)
+    p.add_argument("--scale", type=_positive_float, default=1.0, help="length scale of Orca's trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="the served model's tokenizer (vocabulary and special ids)")
+    p.add_argument("--vocab-size", type=_positive_int, default=32000, help="without --tokenizer: prompt ids below this")
+    p.add_argument("--min-token-id", type=int, default=256,
+                   help="without --tokenizer: prompt ids at or above this, away from special tokens")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None)
+    p.add_argument("--timeout", type=_positive_float, default=600.0, help="per request, seconds")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_serve)
+
+
+# ---- bench simulate --------------------------------------------------------------------------------
+def cmd_simulate(args) -> int:
+    from orca_jax.bench.cost_model import load_cost_model
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.plots import plot_curves
+    from orca_jax.bench.simulate import format_report, run_simulation
+
+    cost = load_cost_model(args.cost_model)
+    record = run_simulation(cost, rates=args.rates, num_requests=args.num_requests, scale=args.scale, seed=args.seed,
+                            slo_ms_per_token=args.slo_ms_per_token, num_pages=args.num_pages,
+                            command=command_from_args("simulate", args),
+                            progress=(lambda line: None) if args.quiet else print)
+    print(format_report(record))
+    write_json(record, args.json)
+    if args.plot:
+        title = f"simulated: {cost.model['name']}, {cost.num_gpus} GPUs ({cost.name}), Orca's trace"
+        if plot_curves(record["curves"], args.plot, title=title, slo_ms_per_token=args.slo_ms_per_token,
+                       slo_label="Orca's SLO"):
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _add_simulate_parser(sub) -> None:
+    from orca_jax.bench.simulate import DEFAULT_RATES, PAPER
+
+    p = sub.add_parser("simulate", help="the real scheduler on a cost model's clock, at the paper's scale")
+    p.add_argument("--cost-model", default="gpt3-175b-16xa100", help="a shipped cost model's name or a .toml file")
+    p.add_argument("--rates", type=_rates, default=DEFAULT_RATES)
+    p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests per rate")
+    p.add_argument("--scale", type=_positive_float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ms-per-token", type=_positive_float, default=PAPER["slo_ms_per_token"])
+    p.add_argument("--num-pages", type=_positive_int, default=None, help="KV pool (default: from GPU memory)")
+    p.add_argument("--quiet", action="store_true", help="no line per run")
+    p.add_argument("--json", default="docs/orca_simulated.json")
+    p.add_argument("--plot", default="docs/orca_simulated.png")
+    p.set_defaults(func=cmd_simulate)
+
+
+def add_bench_parser(subparsers) -> None:
+    """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
+    bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_orca_parser(sub)
+    _add_offline_parser(sub)
+    _add_serve_parser(sub)
+    _add_simulate_parser(sub)

@@ -1,0 +1,64 @@
+"""`bench serve` against orca_jax's own server (tiny random Llama, 127.0.0.1): every request
+streams to its drawn length and the report carries TTFT, TPOT, ITL and end-to-end latency."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from orca_jax import cli
+from orca_jax.server import ServerSettings, build_app
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=16, page_size=8, num_pages=64,
+                                 max_model_len=64)
+    _, app = build_app(engine, ServerSettings("tiny-llama"), max_waiting_requests=64)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_bench_serve_replays_the_trace(server_url, tmp_path, capsys):
+    url, engine = server_url
+    out = tmp_path / "serve.json"
+    code = cli.main(["bench", "serve", "--base-url", url, "--num-requests", "8", "--rate", "40", "--scale", "0.05",
+                     "--vocab-size", "512", "--min-token-id", "3", "--no-progress", "--json", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["model"] == "tiny-llama"  # asked the server
+    assert record["completed"] == 8 and record["failed"] == 0 and record["requests_with_unexpected_length"] == []
+    s = record["summary"]
+    assert s["output_tokens"] == record["trace"]["useful_output_tokens"]
+    for key in ("ttft_ms", "e2e_ms", "itl_ms", "normalized_latency_ms"):
+        assert 0 < s[key]["p50"] <= s[key]["p99"], key
+    assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+    assert s["requests_per_s"] > 0 and s["output_tokens_per_s"] > 0
+    assert record["trace"]["rate"] == 40.0 and "--rate 40.0" in record["command"]
+    assert engine.allocator.num_used == 0
+    assert "inter-token latency" in capsys.readouterr().out
+
+
+def test_unreachable_server_is_counted_as_failures(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    code = cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--served-model", "m",
+                     "--num-requests", "2", "--scale", "0.05", "--vocab-size", "512", "--no-progress"])
+    assert code == 1
