@@ -57,7 +57,7 @@ def cmd_orca(args) -> int:
         model=args.model, scale=args.scale, num_requests=args.num_requests, rates=args.rates,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size, num_pages=args.num_pages, dtype=args.dtype, seed=args.seed,
-        slo_ms_per_token=args.slo_ms_per_token, policies=args.policies)
+        slo_ms_per_token=args.slo_ms_per_token, policies=args.policies, request_returns=args.request_returns)
     record = run_sweep(settings, command_from_args("orca", args), progress=lambda line: print(line, flush=True))
     print(format_report(record))
     write_json(record, args.json)
@@ -68,6 +68,12 @@ def cmd_orca(args) -> int:
         if plot_curves(record["curves"], args.plot, title=title, slo_ms_per_token=record.get("slo_ms_per_token")):
             print(f"wrote {args.plot}")
     return 0
+
+
+def _add_request_returns(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-returns", choices=("batch", "early"), default="batch",
+                   help="request-level responses: 'batch' return together when their static batch ends "
+                        "(FasterTransformer, Orca's baseline; default) or 'early', each when it finishes")
 
 
 def _add_orca_parser(sub) -> None:
@@ -88,6 +94,7 @@ def _add_orca_parser(sub) -> None:
     p.add_argument("--slo-ms-per-token", type=_positive_float, default=None,
                    help="latency of the headline ratio (default: 2x the unloaded iteration-level latency)")
     p.add_argument("--policies", type=_names, default=("iteration", "request"))
+    _add_request_returns(p)
     p.add_argument("--json", default="docs/orca_cpu.json", help="output JSON ('' for none)")
     p.add_argument("--plot", default="docs/orca_cpu.png", help="output figure ('' for none)")
     p.set_defaults(func=cmd_orca)
@@ -203,6 +210,7 @@ def cmd_simulate(args) -> int:
     cost = load_cost_model(args.cost_model)
     record = run_simulation(cost, rates=args.rates, num_requests=args.num_requests, scale=args.scale, seed=args.seed,
                             slo_ms_per_token=args.slo_ms_per_token, num_pages=args.num_pages,
+                            request_returns=args.request_returns,
                             command=command_from_args("simulate", args),
                             progress=(lambda line: None) if args.quiet else print)
     print(format_report(record))
@@ -226,6 +234,7 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms-per-token", type=_positive_float, default=PAPER["slo_ms_per_token"])
     p.add_argument("--num-pages", type=_positive_int, default=None, help="KV pool (default: from GPU memory)")
+    _add_request_returns(p)
     p.add_argument("--quiet", action="store_true", help="no line per run")
     p.add_argument("--json", default="docs/orca_simulated.json")
     p.add_argument("--plot", default="docs/orca_simulated.png")

@@ -7,6 +7,12 @@ its latency counts from its *scheduled* arrival, as a client's would.
 
 Times are read once per step, right after it returns, so a token's time is when the host could
 have sent it.
+
+Request-level batching as Orca measured it (FasterTransformer) returns a static batch's
+responses together, when its last member finishes: an early finisher waits for the longest
+member of its batch (Orca, section 2.2). `hold_until_batch_ends=True` reproduces that: a
+finished request's end time is the end of its batch. TTFT and TPOT still come from the token
+stream.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ def warm_up(engine, trace: Trace) -> None:
         engine.step()
 
 
-def run_open_loop(engine, trace: Trace, *, clock: Callable[[], float] = time.monotonic,
+def run_open_loop(engine, trace: Trace, *, hold_until_batch_ends: bool = False,
+                  clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep) -> list[RequestTiming]:
     """Replay `trace` (prompts and arrival times) against `engine`; every request must finish
-    with exactly its drawn number of tokens. Returns one timing per request, in trace order."""
+    with exactly its drawn number of tokens. Returns one timing per request, in trace order.
+    `hold_until_batch_ends`: results of a static batch return together (see the module doc)."""
     if trace.prompts is None:
         raise ValueError("the trace has no prompts (make it with vocab_size=...)")
     n = trace.num_requests
@@ -48,6 +56,7 @@ def run_open_loop(engine, trace: Trace, *, clock: Callable[[], float] = time.mon
     arrival = [start + t for t in trace.arrival_times]
     first: dict[int, float] = {}
     finish: dict[int, float] = {}
+    held = BatchReturns(hold_until_batch_ends)
     next_request = 0
     while next_request < n or engine.has_unfinished_requests():
         while next_request < n and arrival[next_request] <= clock():
@@ -61,7 +70,28 @@ def run_open_loop(engine, trace: Trace, *, clock: Callable[[], float] = time.mon
         now = clock()
         for out in outputs:
             _record(out, now, trace, first, finish)
+        if held.enabled:
+            held.after_step([int(o.request_id) for o in outputs if o.finished],
+                            batch_running=bool(engine.scheduler.running), now=now, finish=finish)
     return [RequestTiming(arrival[i], first[i], finish[i], trace.output_lens[i]) for i in range(n)]
+
+
+class BatchReturns:
+    """Holds finished requests until their static batch ends, then stamps them all with that
+    time (a no-op unless `enabled`). Shared by the in-process driver and the simulation."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.waiting: list[int] = []
+
+    def after_step(self, finished: list[int], *, batch_running: bool, now: float, finish: dict[int, float]) -> None:
+        if not self.enabled:
+            return
+        self.waiting += finished
+        if not batch_running:  # the static batch is over: its responses go out together
+            for i in self.waiting:
+                finish[i] = now
+            self.waiting.clear()
 
 
 def _record(out, now: float, trace: Trace, first: dict[int, float], finish: dict[int, float]) -> None:

@@ -30,6 +30,7 @@ DEFAULT_SLO_FACTOR = 2.0
 # Extra latencies (multiples of that unloaded latency) at which the ratio is also reported, so
 # the headline is not one cherry-picked point.
 RATIO_FACTORS = (1.5, 2.0, 3.0, 5.0)
+REQUEST_RETURNS = ("batch", "early")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +47,17 @@ class SweepSettings:
     seed: int = 0
     slo_ms_per_token: float | None = None
     policies: tuple[str, ...] = POLICIES
+    # "batch": request-level responses return together when their static batch ends, as with
+    # FasterTransformer in Orca's experiment; "early": each as soon as it finishes.
+    request_returns: str = "batch"
 
     def __post_init__(self):
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
         if unknown := [p for p in self.policies if p not in POLICIES]:
             raise ValueError(f"unknown policies {unknown}; choose from {POLICIES}")
+        if self.request_returns not in REQUEST_RETURNS:
+            raise ValueError(f"request_returns must be one of {REQUEST_RETURNS}, got {self.request_returns!r}")
 
 
 def engine_settings(s: SweepSettings) -> dict:
@@ -79,12 +85,12 @@ def trace_for(engine, s: SweepSettings) -> Trace:
                       exclude_ids=special)
 
 
-def timed_run(engine, trace: Trace) -> dict:
+def timed_run(engine, trace: Trace, hold_until_batch_ends: bool = False) -> dict:
     """One open-loop run; the summary plus what the engine did (steps, preemptions, compiles)."""
     from orca_jax.compile_guard import compile_count
 
     compiles, steps, preemptions = compile_count(), engine.num_steps, engine.scheduler.num_preemptions
-    timings = run_open_loop(engine, trace)
+    timings = run_open_loop(engine, trace, hold_until_batch_ends=hold_until_batch_ends)
     check_pages_returned(engine)
     summary = summarize(timings)
     return {
@@ -112,7 +118,8 @@ def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
     for rate in sorted(s.rates):
         trace = base.with_arrivals(rate, s.seed)
         for policy, engine in engines.items():
-            record = {"policy": policy, "rate": rate, **timed_run(engine, trace)}
+            hold = policy == "request" and s.request_returns == "batch"
+            record = {"policy": policy, "rate": rate, **timed_run(engine, trace, hold)}
             if record["xla_compiles_during_run"]:
                 logger.warning("%s at %.3g req/s: %d XLA compile(s) during the timed run", policy, rate,
                                record["xla_compiles_during_run"])

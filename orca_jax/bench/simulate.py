@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from orca_jax.bench.cost_model import CostModel, StepWork
+from orca_jax.bench.driver import BatchReturns
 from orca_jax.bench.latency import RequestTiming, curve_from_runs, summarize, throughput_ratio_at_latency
 from orca_jax.bench.orca import POLICIES, RATIO_FACTORS
 from orca_jax.bench.trace import Trace, make_trace
@@ -52,8 +53,11 @@ def step_work(scheduled) -> StepWork:
     return StepWork(new, kv_read, pairs, rows)
 
 
-def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | None = None) -> dict:
-    """Replay `trace` on the virtual clock; the summary plus the scheduler's counters."""
+def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | None = None,
+                 request_returns: str = "batch") -> dict:
+    """Replay `trace` on the virtual clock; the summary plus the scheduler's counters.
+    `request_returns`: "batch" (FasterTransformer: a static batch's responses return together)
+    or "early" (each when it finishes); iteration-level always returns each at once."""
     from orca_jax import SamplingParams
     from orca_jax.sequence import Sequence
 
@@ -62,6 +66,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
     n, now, next_request, steps, busy = trace.num_requests, 0.0, 0, 0, 0.0
     first: dict[int, float] = {}
     finish: dict[int, float] = {}
+    held = BatchReturns(policy == "request" and request_returns == "batch")
     while next_request < n or scheduler.has_unfinished():
         while next_request < n and trace.arrival_times[next_request] <= now:
             params = SamplingParams(max_tokens=trace.output_lens[next_request], ignore_eos=True)
@@ -78,12 +83,15 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
                                "(a request larger than the KV pool?)")
         duration = cost.step_time(step_work(scheduled))
         now, busy, steps = now + duration, busy + duration, steps + 1
+        finished = []
         for seq in scheduler.postprocess(scheduled, [0] * len(scheduled)):
             i = seq.seq_id
             first.setdefault(i, now)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 scheduler.finish(seq, "length")
                 finish[i] = now
+                finished.append(i)
+        held.after_step(finished, batch_running=bool(scheduler.running), now=now, finish=finish)
     if scheduler.allocator.num_used:
         raise RuntimeError(f"{policy}: {scheduler.allocator.num_used} pages in use after the run")
     timings = [RequestTiming(trace.arrival_times[i], first[i], finish[i], trace.output_lens[i]) for i in range(n)]
@@ -93,7 +101,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
 
 def run_simulation(cost: CostModel, *, rates=DEFAULT_RATES, num_requests: int = 1000, scale: float = 1.0,
                    seed: int = 0, slo_ms_per_token: float = PAPER["slo_ms_per_token"], num_pages: int | None = None,
-                   command: str = "", progress=print) -> dict:
+                   request_returns: str = "batch", command: str = "", progress=print) -> dict:
     """Both policies at every rate on the same requests; the JSON record."""
     from orca_jax.bench.environment import now_utc
     from orca_jax.bench.orca import format_run
@@ -103,7 +111,7 @@ def run_simulation(cost: CostModel, *, rates=DEFAULT_RATES, num_requests: int = 
     for rate in sorted(rates):
         trace = base.with_arrivals(rate, seed)
         for policy in POLICIES:
-            record = {"policy": policy, "rate": rate, **simulate_run(trace, cost, policy, num_pages),
+            record = {"policy": policy, "rate": rate, **simulate_run(trace, cost, policy, num_pages, request_returns),
                       "xla_compiles_during_run": 0}
             runs.append(record)
             progress(format_run(record))
@@ -112,7 +120,7 @@ def run_simulation(cost: CostModel, *, rates=DEFAULT_RATES, num_requests: int = 
     return {
         "benchmark": "simulate", "date": now_utc(), "command": command,
         "settings": {"rates": list(rates), "num_requests": num_requests, "scale": scale, "seed": seed,
-                     "num_pages": num_pages},
+                     "num_pages": num_pages, "request_returns": request_returns},
         "cost_model": cost.describe(),
         "trace": base.describe(),
         "runs": runs,

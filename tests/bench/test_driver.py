@@ -79,3 +79,41 @@ def test_a_request_that_stops_short_is_an_error():
     clock = FakeClock()
     with pytest.raises(BenchmarkError, match="expected 3"):
         run_open_loop(FakeEngine(clock, short_by=1), _trace([0.0], [3]), clock=clock, sleep=clock.sleep)
+
+
+class FakeStaticEngine(FakeEngine):
+    """Request-level batching: a batch is admitted only when none is running, and runs until
+    its last member finishes."""
+
+    def __init__(self, clock: FakeClock):
+        super().__init__(clock)
+        self.waiting: dict = {}
+        self.scheduler = SimpleNamespace(running=self.live)
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, self.clock.now))
+        self.waiting[request_id] = (params.max_tokens, [])
+
+    def has_unfinished_requests(self):
+        return bool(self.live or self.waiting)
+
+    def step(self):
+        if not self.live:
+            self.live.update(self.waiting)
+            self.waiting.clear()
+        return super().step()
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_static_batch_results_return_together_when_held(hold):
+    """r0 (3 tokens) and r1 (1 token) share a static batch; r2 arrives mid-batch and waits for
+    the next one. Held (FasterTransformer): r1 returns with r0 at the end of the batch."""
+    clock = FakeClock()
+    engine = FakeStaticEngine(clock)
+    timings = run_open_loop(engine, _trace([0.0, 0.0, 0.15], [3, 1, 2]), hold_until_batch_ends=hold,
+                            clock=clock, sleep=clock.sleep)
+    t0, t1, t2 = timings
+    assert t0.finish == pytest.approx(0.3)
+    assert t1.first_token == pytest.approx(0.1)  # the stream still has its token at once
+    assert t1.finish == pytest.approx(0.3 if hold else 0.1)
+    assert (t2.first_token, t2.finish) == pytest.approx((0.4, 0.5))  # joined only after the batch

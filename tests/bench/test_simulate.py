@@ -72,3 +72,14 @@ def test_bench_simulate_cli_writes_json_and_figure(tmp_path, capsys):
     assert record["command"].startswith("orca-jax bench simulate") and "--rates 0.5,3.0,8.0" in record["command"]
     assert fig.stat().st_size > 10_000 and fig.read_bytes()[:4] == b"\x89PNG"
     assert "SIMULATED" in capsys.readouterr().out
+
+
+def test_held_static_batches_return_with_their_longest_member(gpt3):
+    """With FasterTransformer's returns, every request of a static batch ends when its longest
+    member does, so normalized latency can only grow against returning early."""
+    trace = make_trace(80, 1.0, seed=2, rate=2.0)
+    held = simulate_run(trace, gpt3, "request", request_returns="batch")["summary"]
+    early = simulate_run(trace, gpt3, "request", request_returns="early")["summary"]
+    assert held["e2e_ms"]["p50"] > early["e2e_ms"]["p50"]
+    assert held["normalized_latency_ms"]["p50"] > early["normalized_latency_ms"]["p50"]
+    assert held["ttft_ms"] == early["ttft_ms"]  # the schedule itself is the same
