@@ -5,7 +5,6 @@ Everything runs under jax.jit, as in the engine.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
