@@ -212,10 +212,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_gpu()
     started = time.perf_counter()
+
+    def save() -> None:  # after every stage, so a run stopped by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
     report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "heads": [NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM], "page_size": PAGE_SIZE, "dtype": "bfloat16"}
     report["correctness_max_abs_err"] = check_correctness()
     print("correctness vs float64 oracle (max abs err):", json.dumps(report["correctness_max_abs_err"], indent=1))
+    save()
     report["copy_gbs"] = copy_bandwidth_gbs()
     print(f"device-to-device copy: {report['copy_gbs']:.0f} GB/s (read + write)", flush=True)
 
@@ -224,7 +231,8 @@ def main(argv=None) -> int:
     for name, seqs, decode_only in [*decode_cases(args.quick), *mixed_cases(args.quick)]:
         rows.append(time_case(name, seqs, decode_only, report["copy_gbs"], pallas, reference))
         print(json.dumps(rows[-1]), flush=True)
-    report["cases"] = rows
+        report["cases"] = rows
+        save()
     print_table(rows, ["case", "pallas_ms", "pallas_gbs", "pallas_share_of_copy", "reference_ms",
                        "speedup_vs_reference", "jax_paged_attention_ms"])
     decode_rows = [r for r in rows if r["case"].startswith("decode")]
@@ -233,14 +241,13 @@ def main(argv=None) -> int:
         "decode_median_share_of_copy": float(np.median([r["pallas_share_of_copy"] for r in decode_rows])),
         "min_speedup_vs_reference": min(r["speedup_vs_reference"] for r in rows),
     }
+    save()
     if not args.no_tune:
         report["tuning"] = tune(report["copy_gbs"], args.quick)
         print_table(report["tuning"], ["case", "block_rows", "kv_block_tokens", "num_warps", "ms", "share_of_copy"])
     report["wall_s"] = time.perf_counter() - started
     print("targets (>= 0.70 of copy on decode, >= 5x reference):", json.dumps(report["targets"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save()
     return 0
 
 

@@ -6,8 +6,10 @@
 A Llama-3.2-1B-shaped model (16 layers, 32 query / 8 KV heads, head_dim 64, vocabulary 128256,
 tied embeddings) with random bfloat16 weights, written as a safetensors checkpoint so the real
 loader runs (the GPU machine has no network). For each batch size: fill the batch with prompts
-of `--context` tokens, prefill them, then time 32 decode steps of `LLMEngine.step()` (schedule,
-build the batch, run the jitted step, sample, post-process) and report the median.
+of `--context` tokens, prefill them (every request asks for enough tokens to still be decoding
+afterwards), then time 32 decode steps of `LLMEngine.step()` with exactly that many sequences
+(schedule, build the batch, run the jitted step, sample, post-process), report the median, and
+abort the requests.
 
 Roofline: a decode step must read every weight once (the tied embedding once, as the LM head)
 and every sequence's K/V for every layer, so its floor is (weight bytes + KV bytes) / copy
@@ -47,24 +49,40 @@ def kv_bytes_per_token(config: dict, itemsize: int = 2) -> int:
     return itemsize * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"]
 
 
-def time_decode_steps(engine, batch: int, context: int, steps: int = 32) -> float:
-    """Median seconds of one decode step with `batch` sequences at ~`context` tokens."""
+def tokens_per_request(batch: int, context: int, budget: int, steps: int) -> int:
+    """max_tokens that keeps every sequence decoding through the timed steps: prefilling the
+    batch takes about batch * context / budget steps, during which the first sequences already
+    decode one token per step."""
+    return steps + 8 + -(-batch * context // budget)
+
+
+def time_decode_steps(engine, batch: int, context: int, steps: int = 32) -> tuple[float, float]:
+    """Median seconds of one decode step with exactly `batch` sequences, and their mean
+    cached tokens during the timed steps (for the KV bytes of the roofline)."""
     from orca_jax.sampling_params import SamplingParams
 
     rng = np.random.default_rng(batch)
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", rng.integers(3, 1000, context).tolist(),
-                           SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    max_tokens = tokens_per_request(batch, context, engine.config.max_num_batched_tokens, steps)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(3, min(1000, engine.model_config.vocab_size), context).tolist(),
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()  # prefill everything first
-    times = []
+    times, cached = [], []
     for _ in range(steps):
+        running = engine.scheduler.running
+        if len(running) != batch or not all(s.is_decoding for s in running):
+            raise RuntimeError(f"expected {batch} decoding sequences, found {len(running)}")
+        cached.append(sum(s.num_tokens for s in running))
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    for request_id in ids:  # the rest of their tokens are not needed
+        engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return float(np.median(times))
+    return float(np.median(times)), float(np.mean(cached)) / batch
 
 
 def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float) -> list[dict]:
@@ -72,20 +90,23 @@ def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float) ->
     from orca_jax.engine import LLMEngine
 
     path = write_random_checkpoint(workdir / "llama-1b", LLAMA_3_2_1B, "bfloat16")
-    pages_per_seq = -(-(context + 64) // 16)
+    budget = max(512, max(batch_sizes))
+    longest = context + max(tokens_per_request(b, context, budget, 32) for b in batch_sizes) + 16
+    pages_per_seq = -(-longest // 16)
     rows = []
     for impl in ("auto", "reference"):
         engine = LLMEngine(model=str(path), dtype="bfloat16", attention_impl=impl, max_num_seqs=max(batch_sizes),
-                           max_num_batched_tokens=max(512, max(batch_sizes)), max_model_len=context + 128,
+                           max_num_batched_tokens=budget, max_model_len=pages_per_seq * 16,
                            page_size=16, num_pages=max(batch_sizes) * pages_per_seq + 1)
         with no_compiles(f"decode steps ({impl})"):
             for batch in batch_sizes:
-                step_s = time_decode_steps(engine, batch, context)
-                moved = weight_bytes(LLAMA_3_2_1B) + batch * (context + 16) * kv_bytes_per_token(LLAMA_3_2_1B)
+                step_s, mean_context = time_decode_steps(engine, batch, context)
+                moved = weight_bytes(LLAMA_3_2_1B) + batch * mean_context * kv_bytes_per_token(LLAMA_3_2_1B)
                 roofline_tps = batch / (moved / (copy_gbs * 1e9))
-                row = {"attention_impl": engine.attention_impl, "batch": batch, "context": context,
-                       "median_step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
-                       "roofline_tokens_per_s": roofline_tps, "share_of_roofline": batch / step_s / roofline_tps}
+                row = {"attention_impl": engine.attention_impl, "batch": batch, "prompt_tokens": context,
+                       "mean_context_tokens": mean_context, "median_step_ms": step_s * 1e3,
+                       "tokens_per_s": batch / step_s, "roofline_tokens_per_s": roofline_tps,
+                       "share_of_roofline": batch / step_s / roofline_tps}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del engine

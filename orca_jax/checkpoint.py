@@ -54,6 +54,8 @@ def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tens
     (so a model too large for one device never sits whole on one). Returns timings in seconds."""
     from orca_jax.models.loader import load_model
 
+    if tensor_parallel_size < 1:
+        raise CheckpointError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"output directory {out_dir} exists and is not empty")

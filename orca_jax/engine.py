@@ -25,7 +25,6 @@ from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
-from orca_jax.multihost import StepChannel
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
@@ -78,7 +77,7 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1 or jax.process_count() > 1:
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
             mesh = parallel.make_mesh(self.config.tensor_parallel_size)
-        self.channel = StepChannel(self.config) if multihost.is_leader_of_many() else None
+        self.channel = multihost.StepChannel(self.config) if multihost.is_leader_of_many() else None
         if self.channel is not None:
             # However the leader's program ends, release the followers (they would otherwise
             # wait in their next collective until jax.distributed's heartbeat gives up).

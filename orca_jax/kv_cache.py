@@ -122,6 +122,6 @@ def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype, s
     """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim].
     With a sharding (tensor parallelism) each device allocates only its own slice."""
     shape = (model.num_layers, num_pages, page_size, 2 * model.num_kv_heads, model.head_dim)
-    if sharding is None:
-        return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    # jnp.zeros places each device's slice itself, from a program jax caches per shape, dtype
+    # and sharding: rebuilding the cache after a failed step compiles nothing.
+    return jnp.zeros(shape, dtype, device=sharding)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import jax
 import numpy as np
@@ -77,16 +78,23 @@ class StepChannel:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.stopped = False
+        # The engine thread sends steps while shutdown may send stop from another thread: the
+        # followers must see one sequence of collectives, so one sender at a time.
+        self._sending = threading.Lock()
 
     def send(self, batch: Batch) -> None:
-        self._broadcast_header(batch.num_tokens, _STEP)
-        multihost_utils.broadcast_one_to_all(batch)
+        with self._sending:
+            if self.stopped:
+                raise RuntimeError("multi-host: a step after the followers were stopped")
+            self._broadcast_header(batch.num_tokens, _STEP)
+            multihost_utils.broadcast_one_to_all(batch)
 
     def send_stop(self) -> None:
         """Tell the followers to leave their loop (once; later calls do nothing)."""
-        if not self.stopped:
-            self.stopped = True
-            self._broadcast_header(0, _STOP)
+        with self._sending:
+            if not self.stopped:
+                self.stopped = True
+                self._broadcast_header(0, _STOP)
 
     def receive(self) -> Batch | None:
         """The leader's next batch, or None once it has sent stop."""
@@ -105,16 +113,12 @@ class StepChannel:
 
 def follow(runner, channel: StepChannel) -> int:
     """A follower's life: run every batch the leader sends, until it sends stop. Returns the
-    number of steps run. A step that fails here failed on the leader too (same program, same
-    inputs); like the leader, rebuild a cache the failed call consumed and carry on."""
+    number of steps run. A step that fails here is not known to have failed on the leader
+    (host memory, a device error of this host): it is raised, so the process exits non-zero and
+    jax.distributed ends the job rather than leaving the leader waiting in a collective."""
     steps = 0
     while (batch := channel.receive()) is not None:
-        try:
-            runner.run(batch)
-        except Exception:  # noqa: BLE001 - the leader decides what fails; stay in step with it
-            logger.exception("follower step failed")
-            if runner.kv_cache.is_deleted():
-                runner.reset_kv_cache()
+        runner.run(batch)
         steps += 1
     logger.info("follower %d: stop received after %d steps", jax.process_index(), steps)
     return steps

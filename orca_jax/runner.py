@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from orca_jax import parallel
@@ -83,6 +84,10 @@ class ModelRunner:
         self.params = self._place_params(params, model_config, tp)
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
         self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype, num_shards=tp)
+        if jax.process_count() > 1:
+            # Each process sized the pool from its own free memory; the leader's page tables
+            # index every process's cache, so all take the leader's count.
+            self.num_pages = int(multihost_utils.broadcast_one_to_all(np.int32(self.num_pages)))
         self.kv_sharding = parallel.kv_cache_sharding(mesh) if mesh is not None else None
         self.reset_kv_cache()
         # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned

@@ -161,3 +161,9 @@ def test_convert_refuses_a_non_empty_directory_and_a_checkpoint(ckpt_dir, hf_dir
     assert "exists and is not empty" in capsys.readouterr().err
     with pytest.raises(checkpoint.CheckpointError, match="already an orca_jax checkpoint"):
         checkpoint.convert(str(ckpt_dir), tmp_path / "again")
+
+
+def test_convert_refuses_a_tensor_parallel_size_below_one(hf_dir, tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="at least 1"):
+        checkpoint.convert(str(hf_dir), tmp_path / "out", tensor_parallel_size=0)
+    assert not (tmp_path / "out").exists()

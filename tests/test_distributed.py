@@ -136,3 +136,20 @@ def test_distributed_start_is_wanted_only_when_asked(monkeypatch, env, flags, wa
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert multihost.wants_distributed(*flags) is wanted
+
+
+def test_no_step_is_sent_after_stop(monkeypatch):
+    """Once the followers were told to stop, a late step raises instead of broadcasting to
+    processes that already left (which would hang); stop itself is sent once."""
+    from orca_jax import multihost
+    from orca_jax.config import EngineConfig
+
+    sent = []
+    monkeypatch.setattr(multihost.multihost_utils, "broadcast_one_to_all", lambda x: sent.append(x) or x)
+    channel = multihost.StepChannel(EngineConfig())
+    channel.send_stop()
+    channel.send_stop()
+    assert len(sent) == 1 and list(sent[0]) == [0, 1]  # one header: (0 tokens, stop)
+    with pytest.raises(RuntimeError, match="after the followers were stopped"):
+        channel.send(object())  # refused before the batch is looked at
+    assert len(sent) == 1

@@ -207,7 +207,7 @@ def format_report(record: dict) -> str:
              + ", ".join(f"{k}: {v:.1f}" for k, v in record["decode_step_ms_by_batch_size"].items()),
              "", format_table(record["runs"])]
     if "headline" in record:
-        lines += ["", f"unloaded median normalized latency (iteration-level, lowest rate): "
+        lines += ["", f"unloaded median normalized latency (iteration-level, lowest median): "
                   f"{record['unloaded_latency_ms_per_token']:.1f} ms/token",
                   f"SLO {record['slo_ms_per_token']:.1f} ms/token ({record['slo_source']})",
                   "ratios at other latencies: " + "; ".join(format_ratio(h) for h in record["ratios"]),

@@ -145,7 +145,7 @@ def format_report(record: dict) -> str:
         f"cost model: {record['cost_model']['description']} ({d['num_params'] / 1e9:.1f}B params, "
         f"{d['weight_bytes_per_gpu'] / 1e9:.1f} GB weights per GPU, KV pool {d['kv_pool_tokens']} tokens)",
         f"trace: {record['trace']}", "", format_table(record["runs"]), "",
-        f"unloaded median normalized latency (iteration-level, lowest rate): "
+        f"unloaded median normalized latency (iteration-level, lowest median): "
         f"{record['unloaded_latency_ms_per_token']:.1f} ms/token",
         "ratios at other latencies: " + "; ".join(format_ratio(h) for h in record["ratios"]),
         "SIMULATED: iteration-level / request-level throughput " + format_ratio(record["headline"]),

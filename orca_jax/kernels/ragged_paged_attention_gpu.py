@@ -84,9 +84,28 @@ def check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs) -> None:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
 
 
+def choose_block_rows(num_tokens: int, num_seq_slots: int, head_dim: int) -> int:
+    """Matrix rows per program, from static shapes. A step with no more tokens than sequence
+    slots is mostly decodes, whose programs hold one token's `group` real rows: 16 rows (the
+    smallest a Triton dot takes) wastes least. Prefill chunks want more rows, so that a prefix
+    is read once per 64 rows rather than per 16; at head_dim 256 the float32 accumulator of 64
+    rows would spill registers, so 32."""
+    if num_tokens <= num_seq_slots:
+        return 16
+    return 32 if head_dim >= 256 else 64
+
+
+def estimate_busy_blocks(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
+    """Query blocks that hold real rows when a step's tokens spread over all its sequence
+    slots (the grid's other rows exit at once): every sequence's partial block, plus whole
+    blocks of the rest, and never more blocks than tokens."""
+    return min(num_tokens, num_seq_slots + num_tokens // block_q)
+
+
 def choose_num_kv_splits(num_q_blocks: int, num_kv_heads: int, max_kv_blocks: int) -> int:
     """Split the KV range only when the grid without splits would leave the GPU underused,
-    and never into slices shorter than one KV block."""
+    and never into slices shorter than one KV block. `num_q_blocks`: query blocks that do
+    work (`estimate_busy_blocks`)."""
     programs = num_q_blocks * num_kv_heads
     splits = -(-_TARGET_PROGRAMS // max(programs, 1))
     return int(max(1, min(splits, max_kv_blocks, _MAX_KV_SPLITS)))
@@ -213,7 +232,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_rows: int = 64,
+    block_rows: int | str = "auto",
     kv_block_tokens: int = 64,
     num_kv_splits: int | str = "auto",
     num_warps: int = 4,
@@ -221,7 +240,7 @@ def ragged_paged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
-    one KV head's group); `kv_block_tokens`: keys per inner step; `interpret=True` runs the
+    one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step; `interpret=True` runs the
     same kernel on any backend (tests on CPU)."""
     check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
     T, num_q_heads, head_dim = q.shape
@@ -229,11 +248,13 @@ def ragged_paged_attention(
     num_kv_heads = two_kv_heads // 2
     S, max_pages = page_table.shape
     group = _next_power_of_2(num_q_heads // num_kv_heads)
+    if block_rows == "auto":
+        block_rows = choose_block_rows(T, S, head_dim)
     block_q = max(1, block_rows // group)
     pages_per_block = max(1, kv_block_tokens // page_size)
     num_q_blocks = -(-T // block_q) + S  # every sequence may leave one partial block
     max_kv_blocks = -(-max_pages // pages_per_block)
-    splits = (choose_num_kv_splits(num_q_blocks - S, num_kv_heads, max_kv_blocks)
+    splits = (choose_num_kv_splits(estimate_busy_blocks(T, S, block_q), num_kv_heads, max_kv_blocks)
               if num_kv_splits == "auto" else int(num_kv_splits))
 
     # Queries as [T + block_q, K, group (padded to a power of two), D]: a block that starts on
@@ -241,7 +262,10 @@ def ragged_paged_attention(
     real_group = num_q_heads // num_kv_heads
     qg = q.reshape(T, num_kv_heads, real_group, head_dim)
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group - real_group), (0, 0)))
-    # Room for the last KV block's page-table slice, pointing at the padding page.
+    # Room for the last KV block's page-table slice, pointing at the padding page. Entries are
+    # clamped into the pool: a KV block reads every entry of its slice, also those past a
+    # sequence's last page, and a GPU gather has no bounds check.
+    page_table = jnp.clip(page_table, 0, kv_pages.shape[0] - 1)
     page_table = jnp.pad(page_table, ((0, 0), (0, max_kv_blocks * pages_per_block - max_pages)))
     block_seq, block_index = _query_blocks(cu_q_lens, num_seqs, block_q, num_q_blocks)
 

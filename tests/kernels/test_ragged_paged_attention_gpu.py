@@ -127,17 +127,20 @@ def test_split_count_fills_the_gpu_only_when_needed():
     assert gpu.choose_num_kv_splits(num_q_blocks=1, num_kv_heads=1, max_kv_blocks=3) == 3
 
 
-def test_unsupported_shapes_are_refused_clearly():
-    assert gpu.unsupported_reason(head_dim=128, page_size=16) is None
-    assert "head_dim 80" in gpu.unsupported_reason(head_dim=80, page_size=16)
-    assert "page_size 24" in gpu.unsupported_reason(head_dim=64, page_size=24)
-    case = make_case(0, [(3, 10)], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
-    with pytest.raises(ValueError, match="head_dim 48"):
-        gpu.ragged_paged_attention(case.q[..., :48], case.kv_pages[..., :48], case.kv_lens, case.page_table,
-                                   case.cu_q_lens, case.num_seqs, sm_scale=0.1, interpret=True)
-    with pytest.raises(ValueError, match="kv_lens must be int32"):
-        gpu.ragged_paged_attention(case.q, case.kv_pages, case.kv_lens.astype(np.float32), case.page_table,
-                                   case.cu_q_lens, case.num_seqs, sm_scale=0.1, interpret=True)
+@pytest.mark.parametrize("T,S,busy", [(256, 256, 256), (64, 64, 64), (8, 8, 8), (512, 32, 64)])
+def test_decode_steps_count_one_busy_block_per_sequence(T, S, busy):
+    """A decode bucket (T == S) has one busy query block per sequence, so 256 decodes over 8
+    KV heads fill an H200 without splitting; a prefill bucket has about T / block_q."""
+    block_q = gpu.choose_block_rows(T, S, 128) // 4  # group 4, Llama-3-8B
+    assert gpu.estimate_busy_blocks(T, S, block_q) == busy
+    splits = gpu.choose_num_kv_splits(gpu.estimate_busy_blocks(T, S, block_q), 8, max_kv_blocks=64)
+    assert (splits == 1) == (busy * 8 >= 4 * 132)
+
+
+def test_block_rows_follow_the_step_shape():
+    assert gpu.choose_block_rows(num_tokens=256, num_seq_slots=256, head_dim=128) == 16  # decodes
+    assert gpu.choose_block_rows(num_tokens=512, num_seq_slots=32, head_dim=128) == 64  # prefill
+    assert gpu.choose_block_rows(num_tokens=512, num_seq_slots=32, head_dim=256) == 32  # registers
 
 
 @pytest.mark.parametrize("dtype,group,head_dim,page_size,window,cap,splits", [
