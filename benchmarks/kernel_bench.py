@@ -155,8 +155,7 @@ def check_correctness() -> dict:
     for dtype, tol in ((np.float32, 1e-5), (jnp.bfloat16, 2e-2)):
         for mix, window, cap in (("mixed", None, None), ("chunked", 48, 20.0), ("decode", None, None)):
             case = make_case(5, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=dtype)
-            arrays = [jnp.asarray(a) for a in (case.q, case.kv_pages, case.kv_lens, case.page_table,
-                                               case.cu_q_lens, case.num_seqs)]
+            arrays = [jnp.asarray(a) for a in case.arrays]
             for splits in (1, 4):
                 with jax.default_matmul_precision("highest"):
                     out = gpu.ragged_paged_attention(*arrays, sm_scale=0.125, sliding_window=window,

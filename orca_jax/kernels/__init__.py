@@ -37,24 +37,21 @@ def _log_fallback_once(impl: str, reason: str) -> None:
     logger.warning("attention: %s cannot serve this model (%s); using the reference", impl, reason)
 
 
-def _pallas_gpu(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
-                sliding_window=None, soft_cap=None):
-    reason = gpu_kernel.unsupported_reason(q.shape[-1], kv_pages.shape[1])
-    if reason is not None:
-        _log_fallback_once("pallas_gpu", reason)
-        return reference.ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-                                                sm_scale=sm_scale, sliding_window=sliding_window,
-                                                soft_cap=soft_cap)
-    return gpu_kernel.ragged_paged_attention(
-        q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=jax.default_backend() != "gpu")
+def _pallas_gpu(*args, **kwargs):
+    # Off a GPU the same kernel runs in Pallas' interpreter (tests).
+    return gpu_kernel.ragged_paged_attention(*args, interpret=jax.default_backend() != "gpu", **kwargs)
 
 
 _IMPLS = {
     "reference": reference.ragged_paged_attention,
     "pallas_gpu": _pallas_gpu,
     "pallas_tpu": tpu_kernel.ragged_paged_attention,
+}
+# Why a kernel cannot take these arrays (None: it can), from static shapes and dtypes only.
+_UNSUPPORTED_REASON = {
+    "pallas_gpu": lambda q, kv_pages: gpu_kernel.unsupported_reason(q.shape[-1], kv_pages.shape[1]),
+    "pallas_tpu": lambda q, kv_pages: tpu_kernel.unsupported_reason(
+        q.shape[1], kv_pages.shape[2] // 2, q.shape[-1], q.dtype, kv_pages.dtype),
 }
 
 
@@ -92,5 +89,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs
         impl = resolve_impl(impl)
     if impl not in _IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not available; choose from {available_impls()}")
+    reason = _UNSUPPORTED_REASON[impl](q, kv_pages) if impl in _UNSUPPORTED_REASON else None
+    if reason is not None:
+        _log_fallback_once(impl, reason)
+        impl = "reference"
     return _IMPLS[impl](q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)

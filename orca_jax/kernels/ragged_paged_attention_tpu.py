@@ -7,7 +7,8 @@ sizes from jax's tuning table and decides when it cannot serve:
   - head_dim must be a multiple of 128 (the TPU lane width);
   - the K/V head axis must tile the TPU's (8 x packing) sublanes, which jax checks in
     `get_min_heads_per_blk`.
-Shapes outside those rules run the reference instead, with the reason logged once.
+For shapes outside those rules `unsupported_reason` says why, and the dispatcher
+(`orca_jax.kernels`) runs the reference instead.
 
 The kernel does not run in Pallas' CPU interpreter, so tests cover everything around it:
 the support rule, the block sizes, the fallback and the dispatch.
@@ -15,15 +16,8 @@ the support rule, the block sizes, the fallback and the dispatch.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
-
-from orca_jax.kernels import reference
-
-logger = logging.getLogger(__name__)
 
 TPU_LANES = 128
 
@@ -62,12 +56,6 @@ def block_sizes(q, kv_pages, page_table, tuned_lookup=None) -> tuple[int, int]:
     return max(1, min(kv_pages_per_block, pages_per_seq)), max(1, min(queries_per_block, T))
 
 
-@functools.lru_cache(maxsize=None)
-def _log_fallback_once(reason: str) -> None:
-    logger.warning("attention: jax's TPU ragged paged attention cannot serve this model (%s); "
-                   "using the reference", reason)
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -80,14 +68,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
-    """jax's TPU kernel where it serves these shapes, the reference where it does not."""
-    _, num_q_heads, head_dim = q.shape
-    reason = unsupported_reason(num_q_heads, kv_pages.shape[2] // 2, head_dim, q.dtype, kv_pages.dtype)
-    if reason is not None:
-        _log_fallback_once(reason)
-        return reference.ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-                                                sm_scale=sm_scale, sliding_window=sliding_window,
-                                                soft_cap=soft_cap)
+    """jax's TPU kernel, for shapes it serves (`unsupported_reason` is None)."""
     kv_pages_per_block, queries_per_block = block_sizes(q, kv_pages, page_table)
     return _tpu_ops().ragged_paged_attention(
         q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=sm_scale,

@@ -62,6 +62,11 @@ class Case:
     num_seqs: np.ndarray
     num_real_tokens: int
 
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The six array arguments of the attention contract, in order."""
+        return self.q, self.kv_pages, self.kv_lens, self.page_table, self.cu_q_lens, self.num_seqs
+
 
 def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad_seqs=2,
               pad_tokens=3, extra_pages=3, max_pages_per_seq=None, dtype=np.float32, q_scale=1.0):
@@ -102,6 +107,22 @@ MIXES = {
     "mixed": [(1, 200), (17, 17), (1, 9), (40, 40), (1, 64)],
     "chunked": [(16, 160), (5, 133), (1, 50), (32, 32), (7, 7 + 128)],
 }
+
+
+# The sweep every implementation is checked on:
+# (gqa ratio, num_kv_heads, head_dim, page_size, mix, sliding window, soft cap)
+CONFIGS = [
+    (1, 2, 64, 16, "decode", None, None),
+    (3, 2, 64, 8, "prefill", None, None),
+    (4, 2, 128, 32, "mixed", None, None),
+    (8, 1, 64, 16, "chunked", None, None),
+    (1, 4, 128, 8, "mixed", 24, None),
+    (4, 1, 64, 32, "chunked", 100, None),
+    (3, 1, 128, 16, "decode", None, 5.0),
+    (8, 1, 128, 8, "prefill", 7, 10.0),
+    (4, 2, 64, 16, "mixed", 1, 3.0),
+    (1, 1, 64, 32, "prefill", 1000, 30.0),
+]
 
 
 def random_mix(rng: np.random.Generator, num_seqs: int, *, max_q_len: int = 48, max_context: int = 200,

@@ -38,7 +38,7 @@ def test_impossible_choices_fail_clearly(caplog):
 def test_pallas_gpu_hands_unsupported_head_dims_to_the_reference(caplog):
     kernels._log_fallback_once.cache_clear()
     case = make_case(3, MIXES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=80, page_size=16)
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    arrays = case.arrays
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         out = kernels.ragged_paged_attention(*arrays, sm_scale=0.1, impl="pallas_gpu")
     np.testing.assert_array_equal(np.asarray(out),

@@ -23,35 +23,19 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu
-from orca_jax.kernels.testing import MIXES, assert_matches_oracle, make_case, random_mix
+from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case, random_mix
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def run_kernel(case, **kw):
-    return gpu.ragged_paged_attention(
-        jnp.asarray(case.q), jnp.asarray(case.kv_pages), jnp.asarray(case.kv_lens),
-        jnp.asarray(case.page_table), jnp.asarray(case.cu_q_lens), jnp.asarray(case.num_seqs),
-        interpret=True, **kw)
+    return gpu.ragged_paged_attention(*case.arrays, interpret=True, **kw)
 
 
 def check(case, *, sm_scale, sliding_window=None, soft_cap=None, tol, **kernel_kw):
     out = run_kernel(case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **kernel_kw)
     return assert_matches_oracle(out, case, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, tol=tol)
-
-
-# (gqa ratio, num_kv_heads, head_dim, page_size, mix, sliding window, soft cap)
-CONFIGS = [
-    (1, 2, 64, 16, "decode", None, None),
-    (3, 2, 64, 8, "prefill", None, None),
-    (4, 2, 128, 32, "mixed", None, None),
-    (8, 1, 64, 16, "chunked", None, None),
-    (1, 4, 128, 8, "mixed", 24, None),
-    (4, 1, 64, 32, "chunked", 100, None),
-    (3, 1, 128, 16, "decode", None, 5.0),
-    (8, 1, 128, 8, "prefill", 7, 10.0),
-]
 
 
 @pytest.mark.parametrize("seed,ratio,num_kv_heads,head_dim,page_size,mix,window,cap",

@@ -2,7 +2,7 @@
 
 The kernel itself runs only on a TPU (Pallas' CPU interpreter cannot run it), so these tests
 cover what surrounds it: which shapes it serves, the block sizes handed to it, the arguments
-it receives, and the reference fallback for the shapes it cannot take.
+it receives, and the dispatcher's reference fallback for the shapes it cannot take.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from orca_jax import kernels
 from orca_jax.kernels import ragged_paged_attention_tpu as tpu
 from orca_jax.kernels import reference
 from orca_jax.kernels.testing import MIXES, make_case
@@ -67,7 +68,7 @@ def test_served_shapes_go_to_jax_kernel_with_our_arrays_unchanged(monkeypatch):
     ops = _RecordingTpuOps()
     monkeypatch.setattr(tpu, "_tpu_ops", lambda: ops)
     case = make_case(0, MIXES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
+    arrays = case.arrays
     tpu.ragged_paged_attention(*arrays, sm_scale=0.1, sliding_window=64, soft_cap=30.0)
     (args, kwargs), = ops.calls
     for got, given in zip(args, arrays):  # the layout is shared: no copy, no transpose
@@ -77,12 +78,12 @@ def test_served_shapes_go_to_jax_kernel_with_our_arrays_unchanged(monkeypatch):
 
 
 def test_other_shapes_fall_back_to_the_reference_and_say_why_once(caplog):
-    tpu._log_fallback_once.cache_clear()
+    kernels._log_fallback_once.cache_clear()
     case = make_case(1, MIXES["chunked"], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16)
-    arrays = (case.q, case.kv_pages, case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs)
-    with caplog.at_level(logging.WARNING, logger=tpu.__name__):
-        out = tpu.ragged_paged_attention(*arrays, sm_scale=0.125)
-        tpu.ragged_paged_attention(*arrays, sm_scale=0.125)
+    arrays = case.arrays
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        out = kernels.ragged_paged_attention(*arrays, sm_scale=0.125, impl="pallas_tpu")
+        kernels.ragged_paged_attention(*arrays, sm_scale=0.125, impl="pallas_tpu")
     expected = reference.ragged_paged_attention(*arrays, sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
     messages = [r.getMessage() for r in caplog.records]
