@@ -291,3 +291,35 @@ def run_parallel_worker():
         return json.loads(line.removeprefix("RESULT "))
 
     return run
+
+
+@pytest.fixture(scope="session")
+def serve_in_thread():
+    """`with serve_in_thread(app) as url:` runs an ASGI app under uvicorn on a free port of
+    127.0.0.1 in a background thread, and stops it (and checks that it stopped) on exit."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    @contextlib.contextmanager
+    def serve(app):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other processes
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        try:
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            assert not thread.is_alive(), "server did not shut down"
+
+    return serve

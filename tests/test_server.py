@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import statistics
 import threading
 import time
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.async_engine import AsyncLLMEngine
@@ -71,30 +69,14 @@ class LiveServer:
         raise AssertionError(f"server not idle: {self.async_engine.stats()}")
 
 
-def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other processes
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture(scope="module")
-def live(tiny_engine_factory):
+def live(tiny_engine_factory, serve_in_thread):
     engine = tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=128,
                                  max_model_len=MAX_MODEL_LEN)
     async_engine, app = build_app(engine, ServerSettings(MODEL, max_request_bytes=MAX_REQUEST_BYTES),
                                   max_waiting_requests=64)
-    server, thread, url = start_uvicorn(app)
-    yield LiveServer(url, engine, async_engine)
-    server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive(), "server did not shut down"
+    with serve_in_thread(app) as url:
+        yield LiveServer(url, engine, async_engine)
 
 
 @pytest.fixture(autouse=True)

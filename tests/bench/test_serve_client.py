@@ -5,33 +5,20 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from orca_jax import cli
 from orca_jax.server import ServerSettings, build_app
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_engine_factory):
+def server_url(tiny_engine_factory, serve_in_thread):
     engine = tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=16, page_size=8, num_pages=64,
                                  max_model_len=64)
     _, app = build_app(engine, ServerSettings("tiny-llama"), max_waiting_requests=64)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield url, engine
 
 
 def test_bench_serve_replays_the_trace(server_url, tmp_path, capsys):
