@@ -323,3 +323,50 @@ def serve_in_thread():
             assert not thread.is_alive(), "server did not shut down"
 
     return serve
+
+
+def _model_init_shapes(config, num_pages=4, page_size=8, T=8, S=2, max_pages=4):
+    """Parameter shapes of the family's model, as its init produces them (no weights made)."""
+    import jax
+    import jax.numpy as jnp
+
+    from orca_jax.models import architecture
+    from orca_jax.models.layers import AttentionInputs
+
+    model = architecture(config.model_type).model_class(config)
+    inputs = AttentionInputs(
+        positions=jnp.zeros(T, jnp.int32),
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        page_table=jnp.zeros((S, max_pages), jnp.int32),
+        kv_lens=jnp.zeros(S, jnp.int32),
+        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
+        num_seqs=jnp.zeros(1, jnp.int32),
+        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
+    )
+    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
+    return jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
+    )
+
+
+def check_tree_matches_model_init(loaded) -> None:
+    """The loader's parameter tree is exactly (structure, shapes, dtypes) what the model's
+    init produces for the loaded config."""
+    import jax
+    import numpy as np
+
+    expected = _model_init_shapes(loaded.config)
+    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    mismatched = [
+        (jax.tree_util.keystr(path), g, e)
+        for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected))
+        if (g.shape, g.dtype) != (e.shape, e.dtype)
+    ]
+    assert not mismatched, mismatched
+
+
+@pytest.fixture(scope="session")
+def assert_tree_matches_model_init():
+    """`assert_tree_matches_model_init(loaded_model)` (test modules cannot import each other)."""
+    return check_tree_matches_model_init

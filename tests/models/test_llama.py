@@ -16,16 +16,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from orca_jax import LLM
 from orca_jax.engine import LLMEngine
-from orca_jax.models.layers import AttentionInputs, rope_inv_freq
-from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.models.layers import rope_inv_freq
 from orca_jax.models.loader import load_model
 
 ATOL = 1e-4
@@ -160,36 +157,11 @@ def test_greedy_generation_matches_hf_generate(tiny_llama_dir, greedy_matches_hf
 # ---------------------------------------------------------------------------------------------
 # The loader's parameter tree is exactly what the model's init produces.
 # ---------------------------------------------------------------------------------------------
-def _init_shapes(config, num_pages=4, page_size=8, T=8, S=2):
-    model = LlamaForCausalLM(config)
-    max_pages = 4
-    inputs = AttentionInputs(
-        positions=jnp.zeros(T, jnp.int32),
-        slot_mapping=jnp.zeros(T, jnp.int32),
-        page_table=jnp.zeros((S, max_pages), jnp.int32),
-        kv_lens=jnp.zeros(S, jnp.int32),
-        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
-        num_seqs=jnp.zeros(1, jnp.int32),
-        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
-    )
-    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
-    return jax.eval_shape(
-        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
-    )
-
-
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
-def test_loader_tree_matches_model_init(tiny_llama_factory, tmp_path_factory, name):
+def test_loader_tree_matches_model_init(tiny_llama_factory, tmp_path_factory, assert_tree_matches_model_init,
+                                        name):
     loaded = load_model(_model_dir(tiny_llama_factory, tmp_path_factory, name))
-    expected = _init_shapes(loaded.config)
-    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    mismatched = [
-        (jax.tree_util.keystr(path), g, e)
-        for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected))
-        if (g.shape, g.dtype) != (e.shape, e.dtype)
-    ]
-    assert not mismatched, mismatched
+    assert_tree_matches_model_init(loaded)
     has_bias = "bias" in loaded.params["params"]["layers"]["attn"]["q_proj"]
     assert has_bias == PARITY_CONFIGS[name].get("attention_bias", False)
     assert ("lm_head" in loaded.params["params"]) != PARITY_CONFIGS[name].get("tie_word_embeddings", False)

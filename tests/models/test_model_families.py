@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -24,7 +23,6 @@ from orca_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from orca_jax.engine import LLMEngine
 from orca_jax.models import ARCHITECTURES, architecture
 from orca_jax.models.gpt2 import GPT2ForCausalLM
-from orca_jax.models.layers import AttentionInputs
 from orca_jax.models.llama import LlamaForCausalLM
 from orca_jax.models.loader import load_model
 
@@ -131,35 +129,10 @@ def test_greedy_generation_matches_hf_generate(tiny_hf_model_factory, greedy_mat
 # ---------------------------------------------------------------------------------------------
 # The converter's parameter tree is exactly what the family's model init produces.
 # ---------------------------------------------------------------------------------------------
-def _init_shapes(config: ModelConfig, num_pages=4, page_size=8, T=8, S=2):
-    model = architecture(config.model_type).model_class(config)
-    inputs = AttentionInputs(
-        positions=jnp.zeros(T, jnp.int32),
-        slot_mapping=jnp.zeros(T, jnp.int32),
-        page_table=jnp.zeros((S, 4), jnp.int32),
-        kv_lens=jnp.zeros(S, jnp.int32),
-        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
-        num_seqs=jnp.zeros(1, jnp.int32),
-        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
-    )
-    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
-    return jax.eval_shape(
-        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
-    )
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_loader_tree_matches_model_init(tiny_hf_model_factory, name):
+def test_loader_tree_matches_model_init(tiny_hf_model_factory, assert_tree_matches_model_init, name):
     loaded = load_model(_model_dir(tiny_hf_model_factory, name))
-    expected = _init_shapes(loaded.config)
-    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    mismatched = [
-        (jax.tree_util.keystr(path), g, e)
-        for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected))
-        if (g.shape, g.dtype) != (e.shape, e.dtype)
-    ]
-    assert not mismatched, mismatched
+    assert_tree_matches_model_init(loaded)
 
 
 def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
