@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
+
 SCHEDULING_POLICIES = ("iteration", "request")
 ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
 DTYPES = ("float32", "bfloat16")
@@ -230,7 +232,12 @@ class EngineConfig:
     max_logprobs: int = 20
     min_token_bucket: int = 8
     seed: int = 0
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache, off when None
+    # JAX's persistent compilation cache: a second start loads the step programs instead of
+    # compiling them. None turns it off. (orca_jax.cache_dirs says where the default lives.)
+    compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)
+    # Converted GGUF weights and tokenizer, so a second start skips parsing and dequantizing
+    # the file. None turns it off.
+    model_cache_dir: str | None = field(default_factory=default_model_cache_dir)
     # Filled in from the model once it is loaded (see `resolve`).
     token_buckets: tuple[int, ...] = field(default=(), compare=False)
 

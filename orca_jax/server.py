@@ -139,7 +139,11 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     async def models():
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "orca_jax", "max_model_len": engine.config.max_model_len,
+            "owned_by": "orca_jax", "root": engine.config.model, "max_model_len": engine.config.max_model_len,
+            # Beyond OpenAI's fields (like vLLM's max_model_len): what a load generator needs
+            # to draw valid random prompts without the tokenizer (`orca-jax bench serve`).
+            "vocab_size": engine.model_config.vocab_size,
+            "special_token_ids": sorted(set(getattr(engine.tokenizer, "all_special_ids", ()))),
         }]}
 
     @app.get("/health")

@@ -33,3 +33,83 @@ def test_generate_bad_model_path_is_a_clean_error(capsys):
     code = cli.main(["generate", "hi", "--model", "/nonexistent/model"])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- the flags a vLLM user types ------------------------------------------------------------
+import argparse  # noqa: E402
+
+import pytest  # noqa: E402
+
+from orca_jax.config import EngineConfig  # noqa: E402
+
+
+def _config(*argv: str) -> EngineConfig:
+    return cli._engine_config(cli.build_parser().parse_args(list(argv)))
+
+
+def test_serve_takes_the_model_as_a_positional_argument():
+    assert _config("serve", "/models/llama").model == "/models/llama"
+    with pytest.raises(ValueError, match="two models"):
+        _config("serve", "/models/a", "--model", "/models/b")
+
+
+def test_engine_settings_have_flags():
+    config = _config("serve", "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "bfloat16", "--seed", "7",
+                     "--enable-chunked-prefill", "--compilation-cache-dir", "/tmp/xla-cache")
+    assert (config.gpu_memory_utilization, config.kv_cache_dtype, config.seed) == (0.5, "bfloat16", 7)
+    assert config.compilation_cache_dir == "/tmp/xla-cache"
+    assert EngineConfig().compilation_cache_dir is not None  # on by default
+    off = _config("generate", "hi", "--no-compilation-cache", "--no-model-cache")
+    assert off.compilation_cache_dir is None and off.model_cache_dir is None
+    with pytest.raises(ValueError, match="contradicts"):
+        _config("serve", "--no-compilation-cache", "--compilation-cache-dir", "/tmp/x")
+
+
+def test_every_flag_has_help_text():
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    missing = [f"{p.prog} {a.option_strings or a.dest}" for p in parsers(cli.build_parser()) for a in p._actions
+               if not a.help and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("argv, level", [
+    (["serve"], "INFO"), (["generate", "hi"], "WARNING"),
+    (["serve", "--log-level", "debug"], "DEBUG"), (["--log-level", "error", "serve"], "ERROR"),
+    (["generate", "hi", "--log-level", "INFO"], "INFO"),
+])
+def test_log_level_defaults_to_info_for_serve_and_is_accepted_after_the_subcommand(argv, level):
+    assert cli._log_level(cli.build_parser().parse_args(argv)) == level
+
+
+def test_generate_sampling_flags_reach_the_request(tiny_llama_dir, monkeypatch, capsys):
+    from orca_jax.engine import LLMEngine
+
+    seen = {}
+    original = LLMEngine.add_request
+
+    def spy(self, request_id, prompt, params=None):
+        seen["params"] = params
+        return original(self, request_id, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    code = cli.main(["generate", "Paris is", "--model", str(tiny_llama_dir), "--max-tokens", "4", "--top-k", "5",
+                     "--temperature", "0.8", "--seed", "3", "--stop", "zzz", "--stop", "yyy", "--ignore-eos",
+                     "--n", "2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128"])
+    assert code == 0
+    p = seen["params"]
+    assert (p.top_k, p.stop, p.ignore_eos, p.n, p.seed) == (5, ["zzz", "yyy"], True, 2, 3)
+    out = capsys.readouterr().out
+    assert out.count("--- sample ") == 2 and "--- sample 0 (length) ---" in out and "--- sample 1 (length) ---" in out
+
+
+def test_bench_results_do_not_overwrite_the_committed_docs_by_default():
+    args = cli.build_parser().parse_args(["bench", "orca"])
+    assert not args.json.startswith("docs/") and not args.plot.startswith("docs/")
+    args = cli.build_parser().parse_args(["bench", "simulate"])
+    assert not args.json.startswith("docs/") and not args.plot.startswith("docs/")

@@ -40,6 +40,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# Results go here unless --json/--plot say otherwise: never into docs/, whose files are the
+# committed, quoted results (docs/benchmarks.md names the commands that wrote them there).
+RESULTS_DIR = "bench-results"
+
+
 def write_json(record: dict, path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -85,18 +90,19 @@ def _add_orca_parser(sub) -> None:
     p.add_argument("--rates", type=_rates, default=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
                    help="comma-separated arrival rates, requests/s")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="max batch size, both policies")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=256)
-    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=256, help="token budget per step (default 256)")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--num-pages", type=_positive_int, default=None,
                    help="KV pool, both policies (default: max_num_seqs full-length sequences)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (default float32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace (arrivals, lengths, prompts)")
     p.add_argument("--slo-ms-per-token", type=_positive_float, default=None,
                    help="latency of the headline ratio (default: 2x the unloaded iteration-level latency)")
-    p.add_argument("--policies", type=_names, default=("iteration", "request"))
+    p.add_argument("--policies", type=_names, default=("iteration", "request"),
+                   help="comma-separated scheduling policies to compare (default iteration,request)")
     _add_request_returns(p)
-    p.add_argument("--json", default="docs/orca_cpu.json", help="output JSON ('' for none)")
-    p.add_argument("--plot", default="docs/orca_cpu.png", help="output figure ('' for none)")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/orca_cpu.json", help="output JSON ('' for none)")
+    p.add_argument("--plot", default=f"{RESULTS_DIR}/orca_cpu.png", help="output figure ('' for none)")
     p.set_defaults(func=cmd_orca)
 
 
@@ -120,7 +126,7 @@ def cmd_offline(args) -> int:
 def add_offline_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `bench offline` (also used by benchmarks/throughput.py)."""
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--num-requests", type=_positive_int, default=48)
+    p.add_argument("--num-requests", type=_positive_int, default=48, help="requests, all arriving at t=0 (default 48)")
     p.add_argument("--scale", type=_positive_float, default=0.5,
                    help="length scale (0.5: input U[16, 256], output U[1, 64]); 1.0 is Orca's trace")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16,
@@ -129,15 +135,17 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
                    help="orca_jax token budget per step; also the continuous peer's max_batch_tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="orca_jax dtype (the transformers peers always run float32)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--page-size", type=_positive_int, default=16)
-    p.add_argument("--peers", type=_names, default=("static", "continuous"))
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="orca_jax max_model_len (default: the model's)")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="orca_jax tokens per KV page (default 16)")
+    p.add_argument("--peers", type=_names, default=("static", "continuous"),
+                   help="comma-separated transformers peers: static (generate), continuous (default both)")
     p.add_argument("--skip-peers", action="store_true", help="run orca_jax only (no torch needed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--torch-threads", type=_positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests")
+    p.add_argument("--torch-threads", type=_positive_int, default=os.cpu_count() or 1,
+                   help="torch threads of the peers (default: all cores)")
     p.add_argument("--torch-device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--matmul-size", type=_positive_int, default=2048, help="square matmul for the roofline rate")
-    p.add_argument("--matmul-repeats", type=_positive_int, default=5)
+    p.add_argument("--matmul-repeats", type=_positive_int, default=5, help="timed matmuls for the roofline rate")
     p.add_argument("--json", default=None, help="write every number here as JSON")
 
 
@@ -155,16 +163,12 @@ def cmd_serve(args) -> int:
     from orca_jax.bench.serve_client import ServeTarget, format_report, replay
     from orca_jax.bench.trace import make_trace
 
-    vocab, exclude = args.vocab_size, tuple(range(min(args.min_token_id, args.vocab_size - 1)))
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        vocab, exclude = len(tok), tuple(tok.all_special_ids)
-    trace = make_trace(args.num_requests, args.scale, args.seed, vocab_size=vocab, exclude_ids=exclude,
-                       rate=args.rate)
     target = ServeTarget(args.base_url.rstrip("/"), args.served_model, args.api_key, args.timeout,
                          args.max_concurrency)
+    vocab = _prompt_vocabulary(args, target)
+    print(f"prompt token ids: {vocab.size} ({len(vocab.excluded)} excluded), from {vocab.source}")
+    trace = make_trace(args.num_requests, args.scale, args.seed, vocab_size=vocab.size, exclude_ids=vocab.excluded,
+                       rate=args.rate)
     started = now_utc()
     record = asyncio.run(replay(trace, target, show_progress=not args.no_progress))
     record = {"benchmark": "serve", "date": started, "command": _serve_command(args),
@@ -172,6 +176,18 @@ def cmd_serve(args) -> int:
     print(format_report(record))
     write_json(record, args.json)
     return 0 if record["failed"] == 0 else 1
+
+
+def _prompt_vocabulary(args, target):
+    """--tokenizer, else --vocab-size, else whatever the server says of its model."""
+    from orca_jax.bench.serve_client import PromptVocabulary, served_vocabulary, vocabulary_from_tokenizer
+
+    if args.tokenizer:
+        return vocabulary_from_tokenizer(args.tokenizer, f"--tokenizer {args.tokenizer}")
+    if args.vocab_size:
+        excluded = tuple(range(min(args.min_token_id, args.vocab_size - 1)))
+        return PromptVocabulary(args.vocab_size, excluded, f"--vocab-size {args.vocab_size}")
+    return served_vocabulary(target)
 
 
 def _serve_command(args) -> str:
@@ -184,19 +200,21 @@ def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="replay the trace over HTTP against an OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--rate", type=_positive_float, default=None, help="Poisson arrival rate, req/s (default: all at once)")
-    p.add_argument("--num-requests", type=_positive_int, default=100)
+    p.add_argument("--num-requests", type=_positive_int, default=100, help="requests to send (default 100)")
     p.add_argument("--scale", type=_positive_float, default=1.0, help="length scale of Orca's trace")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None, help="the served model's tokenizer (vocabulary and special ids)")
-    p.add_argument("--vocab-size", type=_positive_int, default=32000, help="without --tokenizer: prompt ids below this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's tokenizer, for its vocabulary and special ids (default: ask the server)")
+    p.add_argument("--vocab-size", type=_positive_int, default=None,
+                   help="prompt ids below this, instead of asking the server for its vocabulary")
     p.add_argument("--min-token-id", type=int, default=256,
-                   help="without --tokenizer: prompt ids at or above this, away from special tokens")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None)
+                   help="with --vocab-size: prompt ids at or above this, away from special tokens")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight at most (default: no cap)")
     p.add_argument("--timeout", type=_positive_float, default=600.0, help="per request, seconds")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", default=None, help="write every number here as JSON")
     p.set_defaults(func=cmd_serve)
 
 
@@ -228,16 +246,17 @@ def _add_simulate_parser(sub) -> None:
 
     p = sub.add_parser("simulate", help="the real scheduler on a cost model's clock, at the paper's scale")
     p.add_argument("--cost-model", default="gpt3-175b-16xa100", help="a shipped cost model's name or a .toml file")
-    p.add_argument("--rates", type=_rates, default=DEFAULT_RATES)
+    p.add_argument("--rates", type=_rates, default=DEFAULT_RATES, help="comma-separated arrival rates, requests/s")
     p.add_argument("--num-requests", type=_positive_int, default=1000, help="requests per rate")
-    p.add_argument("--scale", type=_positive_float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ms-per-token", type=_positive_float, default=PAPER["slo_ms_per_token"])
+    p.add_argument("--scale", type=_positive_float, default=1.0, help="length scale of Orca's trace (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    p.add_argument("--slo-ms-per-token", type=_positive_float, default=PAPER["slo_ms_per_token"],
+                   help=f"latency of the headline ratio (default: the paper's {PAPER['slo_ms_per_token']} ms/token)")
     p.add_argument("--num-pages", type=_positive_int, default=None, help="KV pool (default: from GPU memory)")
     _add_request_returns(p)
     p.add_argument("--quiet", action="store_true", help="no line per run")
-    p.add_argument("--json", default="docs/orca_simulated.json")
-    p.add_argument("--plot", default="docs/orca_simulated.png")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/orca_simulated.json", help="output JSON ('' for none)")
+    p.add_argument("--plot", default=f"{RESULTS_DIR}/orca_simulated.png", help="output figure ('' for none)")
     p.set_defaults(func=cmd_simulate)
 
 

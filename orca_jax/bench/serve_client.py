@@ -52,6 +52,47 @@ async def served_model(client, target: ServeTarget) -> str:
     return response.json()["data"][0]["id"]
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptVocabulary:
+    """Which token ids random prompts may use: below `size`, minus `excluded` (special tokens,
+    which would make a tokenizer or a stop rule misbehave), and where the numbers came from."""
+
+    size: int
+    excluded: tuple[int, ...]
+    source: str
+
+
+def vocabulary_from_tokenizer(name_or_path: str, source: str) -> PromptVocabulary:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return PromptVocabulary(len(tokenizer), tuple(tokenizer.all_special_ids), source)
+
+
+def served_vocabulary(target: ServeTarget) -> PromptVocabulary:
+    """The served model's vocabulary, asked of the server: orca_jax lists `vocab_size` and
+    `special_token_ids` in /v1/models; other servers (vLLM) list the model's path or hub id as
+    `root`, whose tokenizer is then loaded. Raises ValueError when neither works."""
+    httpx = import_httpx()
+    try:
+        response = httpx.get(f"{target.base_url}/v1/models", headers=_headers(target), timeout=target.timeout_s)
+        response.raise_for_status()
+        models = response.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise ValueError(f"could not list the models of {target.base_url} ({type(exc).__name__}: {exc}); "
+                         "pass --tokenizer or --vocab-size") from None
+    entry = next((m for m in models if m["id"] == target.model), models[0]) if target.model else models[0]
+    if isinstance(entry.get("vocab_size"), int):
+        return PromptVocabulary(entry["vocab_size"], tuple(entry.get("special_token_ids") or ()),
+                                f"{target.base_url}/v1/models")
+    root = entry.get("root") or entry["id"]
+    try:
+        return vocabulary_from_tokenizer(root, f"tokenizer of {root}")
+    except Exception as exc:  # noqa: BLE001 - any failure means: ask the user
+        raise ValueError(f"the server lists no vocabulary for {entry['id']!r} and its tokenizer {root!r} could "
+                         f"not be loaded ({type(exc).__name__}); pass --tokenizer or --vocab-size") from None
+
+
 @dataclasses.dataclass
 class _Outcome:
     timing: RequestTiming | None = None

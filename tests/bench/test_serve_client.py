@@ -49,3 +49,29 @@ def test_unreachable_server_is_counted_as_failures(tmp_path):
     code = cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--served-model", "m",
                      "--num-requests", "2", "--scale", "0.05", "--vocab-size", "512", "--no-progress"])
     assert code == 1
+
+
+def test_bench_serve_without_a_vocabulary_asks_the_server(server_url, capsys):
+    """No --tokenizer, no --vocab-size: the prompt ids come from the served model's own
+    vocabulary (listed in /v1/models), never from a fixed range that may not fit it."""
+    from orca_jax.bench.serve_client import ServeTarget, served_vocabulary
+
+    url, engine = server_url
+    vocab = served_vocabulary(ServeTarget(url))
+    assert vocab.size == engine.model_config.vocab_size
+    assert set(vocab.excluded) == set(engine.tokenizer.all_special_ids) and vocab.excluded
+    code = cli.main(["bench", "serve", "--base-url", url, "--num-requests", "3", "--scale", "0.05", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"prompt token ids: {vocab.size} ({len(vocab.excluded)} excluded), from {url}/v1/models" in out
+
+
+def test_bench_serve_says_what_to_pass_when_the_vocabulary_is_unknown(tmp_path, capsys):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-requests", "2",
+                     "--no-progress"])
+    assert code == 2
+    assert "pass --tokenizer or --vocab-size" in capsys.readouterr().err
