@@ -6,10 +6,13 @@ add_request / abort / step. Everyone else talks to that thread through an inbox 
 
     event loop thread                         engine thread
     -----------------                         -------------
-    add_request() -> inbox.adds, notify  -->  wait until there is work
+    add_requests() -> inbox.adds, notify -->  wait until there is work
     abort()       -> inbox.aborts, notify     admit adds, apply aborts (between steps)
                                               step() while any request is live
     RequestStream <-- call_soon_threadsafe <--   outputs of the step
+
+`add_requests` queues a group (the prompts of one HTTP request) as one inbox entry: the engine
+thread admits every request of the group before its next step, or, if one is bad, none.
 
 While no request is live the engine thread sleeps on the condition; it never polls. Outputs
 go back to the event loop in one callback per step, so a stream is only ever touched by the
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orca_jax.engine import LLMEngine
+from orca_jax.errors import RequestError
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -100,12 +104,15 @@ class RequestStream:
             self._on_abort(self.request_id)
 
 
+NewRequest = tuple[str, "str | list[int]", SamplingParams]  # (request id, prompt, params)
+
+
 @dataclass
 class _PendingAdd:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    admitted: asyncio.Future  # resolved by the engine thread: None, or the add_request error
+    """A group of requests admitted together, all or none."""
+
+    requests: list[NewRequest]
+    admitted: asyncio.Future  # resolved by the engine thread: None, or the first add_request error
 
 
 @dataclass
@@ -174,38 +181,54 @@ class AsyncLLMEngine:
 
     # ---- requests (event loop thread) --------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request and wait until the engine has accepted it. Raises what
-        LLMEngine.add_request raises for a bad request (ValueError, TypeError), QueueFullError
-        or EngineStoppedError; returns the stream of its outputs."""
+        """Queue one request; see add_requests."""
+        (stream,) = await self.add_requests([(request_id, prompt, params)])
+        return stream
+
+    async def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Queue requests as one group and wait until the engine has accepted all of them
+        (it admits them together, before its next step) or none. Raises what
+        LLMEngine.add_request raises for the first bad one (RequestError, TypeError), a
+        RequestError if the group alone is larger than the queue, QueueFullError or
+        EngineStoppedError; returns the streams of their outputs, in order."""
         if self._loop is None:
             raise RuntimeError("call start() first")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [request_id for request_id, _, _ in requests]
+        duplicate = _first_in_use(ids, self._streams)
+        if duplicate is not None:
+            raise RequestError(f"request id {duplicate!r} is already in use", None, "duplicate_request_id")
+        if self.max_waiting_requests is not None and len(requests) > self.max_waiting_requests:
+            raise RequestError(f"{len(requests)} prompts in one request, but this server queues at most "
+                               f"{self.max_waiting_requests} (max_waiting_requests); split the request",
+                               "prompt", "too_many_prompts")
         admitted = self._loop.create_future()
         with self._cond:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
-            if self._queue_is_full():
+            if self._queue_is_full(len(requests)):
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
-            self._inbox.adds.append(_PendingAdd(request_id, prompt, params, admitted))
+            self._inbox.adds.append(_PendingAdd(list(requests), admitted))
             self._cond.notify()
-        stream = RequestStream(request_id, self.abort)
-        self._streams[request_id] = stream
+        streams = [RequestStream(request_id, self.abort) for request_id in ids]
+        self._streams.update(zip(ids, streams))
         try:
             await admitted
         except BaseException:  # rejected, or the caller went away while it was queued
-            self._streams.pop(request_id, None)
+            for request_id in ids:
+                self._streams.pop(request_id, None)
             if not admitted.done() or admitted.cancelled():
-                self.abort(request_id)
+                for request_id in ids:
+                    self.abort(request_id)
             raise
-        return stream
+        return streams
 
-    def _queue_is_full(self) -> bool:
+    def _queue_is_full(self, arriving: int) -> bool:
         if self.max_waiting_requests is None:
             return False
         # The stats are republished under the lock whenever adds leave the inbox, so a request
         # is counted in exactly one of the two places.
-        return self._stats.num_waiting + len(self._inbox.adds) >= self.max_waiting_requests
+        queued = self._stats.num_waiting + sum(len(pending.requests) for pending in self._inbox.adds)
+        return queued + arriving > self.max_waiting_requests
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its pages are freed at the next step boundary."""
@@ -280,7 +303,7 @@ class AsyncLLMEngine:
         error: BaseException | None = EngineStoppedError("the server is shutting down") if reject else None
         if error is None:
             try:
-                self.engine.add_request(pending.request_id, pending.prompt, pending.params)
+                self.engine.add_requests(pending.requests)  # all or none
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 error = exc
         self._call_in_loop(_resolve, pending.admitted, error)
@@ -344,6 +367,16 @@ class AsyncLLMEngine:
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.engine.num_steps,
         )
+
+
+def _first_in_use(ids: list[str], live: dict[str, RequestStream]) -> str | None:
+    """The first id that is live already or comes twice in `ids`."""
+    seen: set[str] = set()
+    for request_id in ids:
+        if request_id in live or request_id in seen:
+            return request_id
+        seen.add(request_id)
+    return None
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

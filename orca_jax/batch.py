@@ -20,6 +20,8 @@ from orca_jax.scheduler import ScheduledBatch
 # Penalty history encoding: generated token t is stored as t, prompt token t as -(t + 2),
 # and -1 marks an empty slot. One int array carries both sets without knowing the vocabulary.
 NO_TOKEN = -1
+# The largest top_k a row carries: past every vocabulary, so a larger one means the same.
+TOP_K_CAP = np.iinfo(np.int32).max
 
 
 def encode_prompt_history(token_ids) -> np.ndarray:
@@ -140,7 +142,8 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
     for row, (seq, _) in enumerate(scheduled):
         p = seq.params
         inputs.temperature[row] = p.temperature
-        inputs.top_k[row] = p.top_k
+        # Any top_k at least the vocabulary keeps it all; the cap keeps it an int32.
+        inputs.top_k[row] = min(p.top_k, TOP_K_CAP)
         inputs.top_p[row] = p.top_p
         inputs.min_p[row] = p.min_p
         inputs.presence_penalty[row] = p.presence_penalty

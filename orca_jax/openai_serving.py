@@ -6,10 +6,16 @@ server.py; this module knows nothing of them except the one callback it is given
 that the client went away.
 
 Choice indices follow OpenAI: with several prompts and n samples each, choice `p * n + i` is
-sample i of prompt p. A streamed chat sends each choice's role first, then its content, then
-its finish reason in a chunk of its own; with `stream_options.include_usage` a last chunk with
-no choices carries the usage. A request that fails inside a step ends its stream with an error
-event (the status line has long been sent), or answers 500 when not streamed.
+sample i of prompt p. A streamed chat sends each choice's role first, then (with vLLM's `echo`)
+the echoed last assistant message, then its content, then its finish reason in a chunk of its
+own; with `stream_options.include_usage` a last chunk with no choices carries the usage. A
+request that fails inside a step ends its stream with an error event (the status line has
+long been sent), or answers 500 when not streamed.
+
+String prompts are tokenized here, with this side's own tokenizer, so that the context rule
+OpenAI and vLLM apply (prompt + max_tokens <= max_model_len, else a 400) is checked before
+anything is queued; the engine receives token ids. A request's prompts enter the engine in one
+inbox operation, all or none.
 """
 
 from __future__ import annotations
@@ -23,14 +29,23 @@ from dataclasses import dataclass, field
 
 from orca_jax.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
                                    RequestStream)
+from orca_jax.errors import RequestError
 from orca_jax.llm import apply_chat_template
 from orca_jax.outputs import CompletionOutput, RequestOutput
-from orca_jax.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest, bad_request,
-                               engine_error_to_openai)
+from orca_jax.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
+                               bad_request, request_error_to_openai)
 from orca_jax.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 WaitForDisconnect = Callable[[], Awaitable[None]]
+Names = dict[str, ClientName]  # engine argument -> the client's field, per endpoint
+
+# In a chat request the engine's prompt is the templated messages, and its logprobs is
+# top_logprobs; errors about them name the chat fields.
+_CHAT_NAMES: Names = {
+    "prompt": ClientName("messages", "the prompt is the messages after the chat template"),
+    "logprobs": ClientName("top_logprobs", "top_logprobs is the number of log-probabilities asked for"),
+}
 
 
 @dataclass
@@ -40,7 +55,7 @@ class _Submitted:
     request_id: str
     created: int
     streams: list[RequestStream]
-    prompt_texts: list[str]
+    prompt_texts: list[str]  # per prompt; filled once the engine has accepted the prompts (echo)
     last_outputs: list[RequestOutput | None] = field(default_factory=list)  # per prompt
 
     def abort_all(self) -> None:
@@ -72,10 +87,19 @@ class OpenAIServing:
     # ---- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect):
         self._check_model(request)
-        params = _sampling_params(request, request.max_tokens, request.logprobs)
-        prompts = request.prompt
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        submitted = await self._submit("cmpl", prompts, texts, params, prompt_field="prompt", logprobs_field="logprobs")
+        names: Names = {}
+        params = _sampling_params(request, request.max_tokens, request.logprobs, names)
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
+        for ids in prompt_ids:
+            self._check_room(len(ids), params.max_tokens, "max_tokens")
+        submitted = await self._submit("cmpl", prompt_ids, params, names)
+        # Echoed token-id prompts are decoded only now, once the engine has checked their range.
+        try:
+            submitted.prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) if request.echo else ""
+                                      for p in request.prompt]
+        except BaseException:
+            submitted.abort_all()
+            raise
         if request.stream:
             return EventStream(self._completion_chunks(request, submitted, wait_for_disconnect), submitted.abort_all)
         outputs = await _collect(submitted, wait_for_disconnect)
@@ -156,20 +180,25 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest, wait_for_disconnect: WaitForDisconnect):
         self._check_model(request)
         prompt_ids = self._chat_prompt(request)
-        if len(prompt_ids) >= self.max_model_len:
-            raise bad_request(f"messages are {len(prompt_ids)} tokens after the chat template, but max_model_len "
-                              f"is {self.max_model_len}: shorten the conversation", "messages",
-                              "context_length_exceeded")
-        max_tokens = request.requested_max_tokens or max(1, self.max_model_len - len(prompt_ids))
-        params = _sampling_params(request, max_tokens, request.engine_logprobs)
-        submitted = await self._submit("chatcmpl", [prompt_ids], [""], params,
-                                       prompt_field="messages", logprobs_field="top_logprobs")
+        names = dict(_CHAT_NAMES)
+        if request.max_tokens_field != "max_tokens":
+            names["max_tokens"] = ClientName(request.max_tokens_field, f"{request.max_tokens_field} is max_tokens")
+        # Without a length the reply may fill the context (OpenAI's and vLLM's rule); a prompt
+        # that leaves no room is refused by the engine, so 1 is only a placeholder then.
+        max_tokens = request.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self._room(len(prompt_ids)))
+        params = _sampling_params(request, max_tokens, request.engine_logprobs, names)
+        self._check_room(len(prompt_ids), params.max_tokens, request.max_tokens_field)
+        submitted = await self._submit("chatcmpl", [prompt_ids], params, names)
+        submitted.prompt_texts = [""]
         if request.stream:
             return EventStream(self._chat_chunks(request, submitted, wait_for_disconnect), submitted.abort_all)
         (output,) = await _collect(submitted, wait_for_disconnect)
+        echo = request.echo_text
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": echo + c.text},
             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, request) if request.logprobs else None,
             "finish_reason": c.finish_reason,
         } for c in output.outputs]
@@ -196,9 +225,12 @@ class OpenAIServing:
                 body["usage"] = usage
             return _sse(body)
 
-        for index in range(request.n):  # the role first, before any token is ready
+        echo = request.echo_text
+        for index in range(request.n):  # the role first, before any token is ready (then any echo)
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
+            if echo:
+                yield chunk([{"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
         finished: set[int] = set()
         async for _, output in _stream_outputs(submitted, wait_for_disconnect):
             if isinstance(output, OpenAIError):
@@ -239,40 +271,53 @@ class OpenAIServing:
     # ---- shared -------------------------------------------------------------------------------
     def _check_model(self, request: SamplingRequest) -> None:
         if request.model != self.model_name:
-            raise OpenAIError(400, f"the model '{request.model}' does not exist; this server serves "
+            raise OpenAIError(404, f"the model '{request.model}' does not exist; this server serves "
                               f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def _room(self, num_prompt_tokens: int) -> int:
+        """How many tokens can follow a prompt in the context."""
+        return self.max_model_len - num_prompt_tokens
+
+    def _check_room(self, num_prompt_tokens: int, max_tokens: int, field: str) -> None:
+        """OpenAI's and vLLM's rule: the prompt and max_tokens together fit in the context (the
+        engine alone would stop the reply at max_model_len instead). A prompt that leaves no
+        room at all is the engine's to refuse, naming the prompt."""
+        room = self._room(num_prompt_tokens)
+        if 0 < room < max_tokens:
+            raise bad_request(
+                f"'{field}' is {max_tokens}, but the prompt is {num_prompt_tokens} tokens and max_model_len is "
+                f"{self.max_model_len}: at most {room} tokens can follow it; lower '{field}' or shorten the prompt",
+                field, "context_length_exceeded")
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def _submit(self, prefix: str, prompts, prompt_texts, params: SamplingParams, *,
-                      prompt_field: str, logprobs_field: str) -> _Submitted:
-        """Queue one engine request per prompt; all or none (a rejection aborts the others)."""
-        submitted = _Submitted(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), [], prompt_texts)
+    async def _submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, names: Names) -> _Submitted:
+        """Queue one engine request per prompt, in one go and all or none (the engine admits
+        them together, before its next step, or none of them)."""
+        submitted = _Submitted(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), [], [])
+        request_ids = ([submitted.request_id] if len(prompts) == 1
+                       else [f"{submitted.request_id}-{p}" for p in range(len(prompts))])
         try:
-            for p, prompt in enumerate(prompts):
-                request_id = submitted.request_id if len(prompts) == 1 else f"{submitted.request_id}-{p}"
-                submitted.streams.append(await self.engine.add_request(request_id, prompt, params))
-        except BaseException as exc:
-            submitted.abort_all()
-            if isinstance(exc, (ValueError, TypeError)):
-                raise engine_error_to_openai(exc, prompt_field, logprobs_field) from None
-            if isinstance(exc, QueueFullError):
-                self._on_reject("queue_full")
-                raise OpenAIError(503, f"{exc}; retry later", code="queue_full",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-            if isinstance(exc, EngineStoppedError):
-                self._on_reject("shutting_down")
-                raise OpenAIError(503, str(exc), code="shutting_down") from None
-            raise
+            submitted.streams = await self.engine.add_requests(
+                [(request_id, prompt, params) for request_id, prompt in zip(request_ids, prompts)])
+        except RequestError as exc:
+            raise request_error_to_openai(exc, names) from None
+        except QueueFullError as exc:
+            self._on_reject("queue_full")
+            raise OpenAIError(503, f"{exc}; retry later", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStoppedError as exc:
+            self._on_reject("shutting_down")
+            raise OpenAIError(503, str(exc), code="shutting_down") from None
         return submitted
 
 
-def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None, names: Names) -> SamplingParams:
     try:
         return request.sampling_params(max_tokens, logprobs)
-    except ValueError as exc:
-        raise engine_error_to_openai(exc, "prompt", "logprobs") from None
+    except RequestError as exc:
+        raise request_error_to_openai(exc, names) from None
 
 
 def _delta_logprobs(completion: CompletionOutput) -> list[dict[int, float]]:

@@ -9,16 +9,23 @@ as OpenAI and vLLM do, because clients send fields this server has no use for (`
 vLLM's extensions that map onto SamplingParams are accepted too (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`); the
 `openai` client sends them through `extra_body`.
+
+This module checks wire types and shapes only; the ranges of sampling fields are checked once,
+by SamplingParams. Every check, here or there, raises a RequestError that names its field, and
+`request_error_to_openai` / `validation_error_to_openai` turn it into the 400 body. Before
+validation the decoded body is walked once: nesting past MAX_JSON_DEPTH and strings that are
+not valid Unicode are refused there, so nothing later recurses into or tokenizes them.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orca_jax.errors import RequestError, check_unicode
 from orca_jax.sampling_params import SamplingParams
 
 MAX_N = 128  # OpenAI's own limit on choices per request
@@ -29,7 +36,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    # OpenAI answers an unknown model or URL (404) as an invalid request too.
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
              413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -54,48 +62,61 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return OpenAIError(400, message, param=param, code=code)
 
 
+@dataclass(frozen=True)
+class ClientName:
+    """What an engine argument is called in one endpoint's request, and a note that says so."""
+
+    field: str
+    note: str
+
+
+def request_error_to_openai(exc: RequestError, names: dict[str, ClientName] | None = None) -> OpenAIError:
+    """The one mapping from a RequestError (raised by SamplingParams, LLMEngine or the async
+    engine in their own terms) to a 400 in the terms of the request the client sent."""
+    param, message = exc.param, exc.message
+    renamed = (names or {}).get(param)
+    if renamed is not None:
+        param, message = renamed.field, f"{message} ({renamed.note})"
+    return bad_request(message, param, exc.code)
+
+
 def _is_union_tag(part) -> bool:
     """pydantic puts the union member it tried into an error's location ('stop', 'list[str]');
     the field's name is the path without those."""
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})
 
 
+def _field_path(error: dict) -> list:
+    return [part for part in error.get("loc", ()) if not _is_union_tag(part)]
+
+
+def _dotted(path) -> str | None:
+    return ".".join(str(part) for part in path) or None
+
+
 def validation_error_to_openai(errors: list[dict]) -> OpenAIError:
-    """The first pydantic validation error as a 400 naming the field."""
-    first = errors[0]
-    loc = [part for part in first.get("loc", ()) if not _is_union_tag(part)]
+    """One pydantic validation error as a 400 naming the field. A union field reports one
+    error per member it tried; the member that got furthest into the value (the longest
+    location: a list whose item 1 is bad, rather than "not a string") says what is wrong."""
+    first = max(errors, key=lambda e: len(_field_path(e)))  # max keeps the first of equals
+    loc = _field_path(first)
     kind = first.get("type", "")
-    param = ".".join(str(part) for part in loc) or None
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, RequestError):
+        # Raised by one of the validators below; its param is relative to where it ran.
+        param = _dotted(loc + ([cause.param] if cause.param else []))
+        if not loc:  # a check across fields: its message names them
+            return bad_request(cause.message, param, cause.code)
+        prefix = "missing required field" if cause.code == "missing_required_parameter" else "invalid value for"
+        return bad_request(f"{prefix} '{param}': {cause.message}", param, cause.code)
+    param = _dotted(loc)
     if kind == "missing":
         return bad_request(f"missing required field: '{param}'", param, "missing_required_parameter")
-    cause = (first.get("ctx") or {}).get("error")
     message = str(cause) if cause is not None else first.get("msg", "invalid value")
-    if param is None and kind == "value_error":
-        # A check across fields (model validator): its message starts with the field it blames.
-        return bad_request(message, _first_word(message), "invalid_value")
     if param is None:
         return bad_request(f"request body must be a JSON object: {message}", None, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return bad_request(f"invalid value for '{param}': {message}", param, code)
-
-
-_FIRST_WORD = re.compile(r"^\s*([A-Za-z_]+)")
-
-
-def _first_word(message: str) -> str | None:
-    match = _FIRST_WORD.match(message)
-    return match[1] if match else None
-
-
-def engine_error_to_openai(exc: Exception, prompt_field: str, logprobs_field: str) -> OpenAIError:
-    """Map the ValueError/TypeError of SamplingParams or LLMEngine.add_request to a 400. Their
-    messages start with the name of what is wrong ("temperature must be ...", "prompt is 600
-    tokens, but max_model_len ...", "request needs 40 KV pages ..."), which names the field."""
-    message = str(exc)
-    word = _first_word(message)
-    param = {"prompt": prompt_field, "logprobs": logprobs_field, "request": "max_tokens"}.get(word, word)
-    code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-    return bad_request(message, param, code)
 
 
 # ---- shared request fields -------------------------------------------------------------------
@@ -112,20 +133,21 @@ def _is_token_id(value: Any) -> bool:
 
 
 class SamplingRequest(StrictModel):
-    """Fields common to /v1/completions and /v1/chat/completions."""
+    """Fields common to /v1/completions and /v1/chat/completions. Only their wire types are
+    checked here; their ranges are SamplingParams' (see `sampling_params`)."""
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = Field(1, le=MAX_N)  # the server's own limit, beyond SamplingParams' n >= 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -133,26 +155,17 @@ class SamplingRequest(StrictModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings_not_empty(cls, stop):
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and not all(stop):
-            raise ValueError("stop strings must not be empty")
-        return stop
-
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, bias):
         if bias:
-            raise ValueError("logit_bias is not supported by this server")
+            raise RequestError("logit_bias is not supported by this server")
         return None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
         return self
 
     @property
@@ -160,6 +173,7 @@ class SamplingRequest(StrictModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises RequestError (naming the SamplingParams field) for a value out of range."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -173,10 +187,11 @@ class SamplingRequest(StrictModel):
 # ---- /v1/completions -------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
     # One or more prompts: a string, strings, token ids, or lists of token ids. After
-    # validation always a list of prompts, each a string or a list of token ids.
+    # validation always a list of prompts, each a string or a list of token ids (whose range
+    # the engine checks: it knows the vocabulary).
     prompt: Any
-    max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -193,7 +208,7 @@ class CompletionRequest(SamplingRequest):
                 return [prompt]
             if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
                 return prompt
-        raise ValueError(
+        raise RequestError(
             "prompt must be a non-empty string, a list of strings, a list of token ids, "
             "or a list of token-id lists"
         )
@@ -202,79 +217,161 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _no_suffix(cls, suffix):
         if suffix:
-            raise ValueError("suffix is not supported by this server")
+            raise RequestError("suffix is not supported by this server")
         return None
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+            raise RequestError("best_of is not supported (only best_of == n)", "best_of")
         return self
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
+# Content part types of OpenAI's chat API that carry something other than text, by what they carry.
+_NON_TEXT_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
+                   "audio_url": "audio", "video_url": "video", "file": "file"}
+
+
+class ContentPart(StrictModel):
+    """One part of a message's content. Only text parts can be served; any other kind is
+    refused by name rather than as "not a string"."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type in _NON_TEXT_PARTS:
+            raise RequestError(f"{_NON_TEXT_PARTS[self.type]} content is not supported by this text-only model")
+        if self.type != "text":
+            raise RequestError(f"unknown content part type {self.type!r}; only 'text' parts are supported", "type")
+        if self.text is None:
+            raise RequestError("a text part needs its 'text'", "text", "missing_required_parameter")
+        return self
 
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        # OpenAI lets only an assistant message go without content (it may carry tool calls).
+        if self.role != "assistant" and (self.content is None or self.content == []):
+            raise RequestError(f"a {self.role!r} message needs content", "content", "missing_required_parameter")
+        return self
+
+    @property
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+            return "".join(part.text for part in content)
+        return content or ""
+
+    def as_template_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.text}
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = None
+    # vLLM's extension: the reply starts with the last message's content when that message
+    # is the assistant's own (a continued reply).
+    echo: bool = False
     tools: list | None = None
     functions: list | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, tools):
         if tools:
-            raise ValueError("tool and function calling are not supported by this server")
+            raise RequestError("tool and function calling are not supported by this server")
         return None
 
     @field_validator("response_format")
     @classmethod
     def _text_only(cls, response_format):
         if response_format and response_format.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+            raise RequestError("only response_format {'type': 'text'} is supported")
         return response_format
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
+    def _fields_that_need_others(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tool_choice is not None:  # non-empty tools were refused above
+            raise RequestError("tool_choice is only allowed when tools are specified", "tool_choice")
         return self
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field the client set the length with (OpenAI's newer name wins, as in OpenAI)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def echo_text(self) -> str:
+        """What an echoed reply starts with: the last message's content if the assistant wrote it."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else ""
+
+
+# ---- parsing a body --------------------------------------------------------------------------
+# No request field nests deeper than a few levels; a body nested past this is refused before
+# anything recurses into it.
+MAX_JSON_DEPTH = 32
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_json_tree(body: Any) -> None:
+    """Walk the decoded body once, without recursion: refuse nesting past MAX_JSON_DEPTH and
+    strings that are not valid Unicode (a lone surrogate), naming the field."""
+    stack = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            field = _dotted(path[:1])
+            raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels (in '{field}')", field,
+                              "invalid_json")
+        if isinstance(value, str):
+            try:
+                check_unicode(value, _dotted(path) or "request body")
+            except RequestError as exc:
+                raise request_error_to_openai(exc) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path))
+                stack.append((item, path + (key,)))
+        elif isinstance(value, list):
+            stack.extend((item, path + (i,)) for i, item in enumerate(value))
+
 
 def parse_request(model: type[StrictModel], raw: bytes) -> StrictModel:
     """Decode and validate a JSON body, raising OpenAIError(400) on the first problem."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: it nests too deeply", None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, an integer of 4300+ digits
         raise bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    _check_json_tree(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

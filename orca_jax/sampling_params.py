@@ -1,8 +1,39 @@
-"""SamplingParams: how one request is decoded. Field names and defaults follow vLLM."""
+"""SamplingParams: how one request is decoded. Field names and defaults follow vLLM.
+
+This is the one place the ranges of the sampling fields are checked (the server's protocol
+checks only wire types). Every accepted value has a meaning the compiled step can represent:
+floats are bounded on both sides (so no inf or NaN reaches a float32 array) and integers that
+go into int32 arrays are either bounded where they are used (logprobs by max_logprobs, token
+ids by the vocabulary) or mean the same once clamped there (a top_k above the vocabulary keeps
+the whole vocabulary, as in vLLM).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from orca_jax.errors import RequestError
+
+# Below this, dividing logits by the temperature overflows float32; vLLM raises smaller
+# temperatures to it too (sampling that cold is greedy in all but name).
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+# A factor of 100 either way already drives a seen token's logit out of (or into) reach;
+# beyond it float32 logits overflow or vanish.
+REPETITION_PENALTY_RANGE = (1e-2, 100.0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _in_range(value, low: float, high: float, *, open_low: bool = False) -> bool:
+    return _is_number(value) and (low < value if open_low else low <= value) and value <= high
 
 
 @dataclass
@@ -31,26 +62,37 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     def _validate(self):
+        low_rep, high_rep = REPETITION_PENALTY_RANGE
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), f"logprobs must be None or an integer >= 0, got {self.logprobs!r}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            ("temperature", _in_range(self.temperature, 0.0, MAX_TEMPERATURE),
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0,
+             f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
+            ("top_p", _in_range(self.top_p, 0.0, 1.0, open_low=True), f"top_p must be in (0, 1], got {self.top_p!r}"),
+            ("min_p", _in_range(self.min_p, 0.0, 1.0), f"min_p must be in [0, 1], got {self.min_p!r}"),
+            ("n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}"),
+            ("presence_penalty", _in_range(self.presence_penalty, -2.0, 2.0),
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            ("frequency_penalty", _in_range(self.frequency_penalty, -2.0, 2.0),
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            ("repetition_penalty", _in_range(self.repetition_penalty, low_rep, high_rep),
+             f"repetition_penalty must be in [{low_rep:g}, {high_rep:g}], got {self.repetition_penalty!r}"),
+            ("seed", self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(message, param)
 
     @property
     def greedy(self) -> bool:

@@ -1,12 +1,13 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
     POST /v1/completions, POST /v1/chat/completions   (streamed as server-sent events on request)
-    GET  /v1/models, /health, /metrics                 (Prometheus text format)
+    GET  /v1/models, /health (HEAD too), /metrics      (Prometheus text format)
 
 What makes it safe to leave running:
 - every error is an OpenAI-style body with the right status: 400 for any bad input (naming the
-  field), 401 without the API key, 413 for an oversized body, 503 with Retry-After when the
-  waiting queue is full, 500 for a request that failed inside a step (the others carry on);
+  field), 404 for an unknown model, 401 without the API key, 413 for an oversized body, 503
+  with Retry-After when the waiting queue is full, 500 for a request that failed inside a step
+  (the others carry on); no value a client sends can fail another client's request;
 - a client that goes away has its requests aborted, so their KV pages return to the pool;
 - the API key is compared in constant time and guards /v1/* (health and metrics stay open for
   probes and scrapers); the server binds to 127.0.0.1 unless told otherwise;
@@ -34,12 +35,17 @@ from orca_jax.async_engine import AsyncLLMEngine
 from orca_jax.engine import LLMEngine
 from orca_jax.metrics import ServerMetrics
 from orca_jax.openai_serving import EventStream, OpenAIServing
-from orca_jax.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request
+from orca_jax.errors import RequestError
+from orca_jax.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request,
+                               request_error_to_openai)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-DEFAULT_MAX_WAITING_REQUESTS = 1024
+# Prompts queued (not yet running) before new ones get 503. Each queued prompt costs only its token
+# ids, so the bound is about back-pressure, not memory; it is high enough that one request with
+# a few thousand prompts (an offline batch sent over HTTP) is admitted whole.
+DEFAULT_MAX_WAITING_REQUESTS = 4096
 
 
 @dataclass(frozen=True)
@@ -55,16 +61,20 @@ def _error_response(status: int, message: str, code: str, headers: dict[str, str
 
 
 class RequireApiKey:
-    """401 for /v1/* requests without `Authorization: Bearer <key>`."""
+    """401 for /v1/* requests without `Authorization: Bearer <key>`. The scheme is matched
+    without regard to case, as HTTP auth schemes are (RFC 9110: `bearer KEY` is the same)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+
+    def _has_key(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            if not self._has_key(dict(scope["headers"]).get(b"authorization", b"")):
                 response = _error_response(401, "missing or invalid API key (expected 'Authorization: Bearer <key>')",
                                            "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
@@ -146,7 +156,7 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
             "special_token_ids": sorted(set(getattr(engine.tokenizer, "all_special_ids", ()))),
         }]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD for probes that send it (curl -I, load balancers)
     async def health():
         if not async_engine.is_running:
             return _error_response(503, "the engine is not running", "engine_not_running")
@@ -193,6 +203,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request, exc: RequestError):  # one that no endpoint translated: still a 400
+        error = request_error_to_openai(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):  # 404, 405 from routing

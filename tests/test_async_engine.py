@@ -14,6 +14,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+from orca_jax.errors import RequestError
 
 PROMPT = "The quick brown fox"
 
@@ -223,3 +224,53 @@ def test_shutdown_ends_live_streams_and_refuses_new_requests(engine):
     rest, elapsed, running = run(engine, scenario)
     assert rest[-1].finish_reason == "abort"
     assert not running and elapsed < 5
+
+
+def test_a_group_is_admitted_before_the_next_step(engine):
+    """Many requests in one add_requests: one inbox operation, all admitted at once (not one
+    per engine step, which made a 1,100-prompt request take 54 s to admit)."""
+    prompts = [[3 + i, 4, 5] for i in range(40)]
+    expected = [offline_text(engine, p, greedy(3)) for p in prompts]
+
+    async def scenario(ae):
+        steps_before = ae.stats().num_steps
+        streams = await ae.add_requests([(f"g{i}", p, greedy(3)) for i, p in enumerate(prompts)])
+        steps_to_admit = ae.stats().num_steps - steps_before
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        return steps_to_admit, [r[-1].outputs[0].text for r in results]
+
+    steps_to_admit, texts = run(engine, scenario)
+    assert steps_to_admit <= 1  # at most the step that was running when the group arrived
+    assert texts == expected
+
+
+def test_a_group_with_one_bad_request_queues_none(engine):
+    async def scenario(ae):
+        group = [("ok-0", PROMPT, greedy(4)), ("ok-1", PROMPT, greedy(4)), ("bad", [3, 10**6], greedy(4))]
+        with pytest.raises(RequestError, match="out of range") as info:
+            await ae.add_requests(group)
+        assert info.value.param == "prompt"
+        with pytest.raises(RequestError, match="already in use"):
+            await ae.add_requests([("twice", PROMPT, greedy(4)), ("twice", PROMPT, greedy(4))])
+        await asyncio.sleep(0.05)
+        # The ids are free again: nothing of the rejected groups was kept.
+        streams = await ae.add_requests([("ok-0", PROMPT, greedy(4)), ("twice", PROMPT, greedy(4))])
+        return [(await collect(s))[-1].finish_reason for s in streams]
+
+    assert run(engine, scenario) == ["length", "length"]  # (the autouse fixture checks no pages are left)
+
+
+def test_queue_limit_counts_every_request_of_a_group(engine, monkeypatch):
+    gate = gate_engine_steps(monkeypatch, engine)
+
+    async def scenario(ae):
+        with pytest.raises(RequestError, match="at most 3") as info:  # larger than the queue itself
+            await ae.add_requests([(f"big-{i}", PROMPT, greedy(4)) for i in range(4)])
+        assert info.value.param == "prompt" and info.value.code == "too_many_prompts"
+        first = await ae.add_requests([("a", PROMPT, greedy(4)), ("b", PROMPT, greedy(4))])  # step held
+        with pytest.raises(QueueFullError):  # 2 waiting + 2 arriving > 3
+            await ae.add_requests([("c", PROMPT, greedy(4)), ("d", PROMPT, greedy(4))])
+        gate.set()
+        return [(await collect(s))[-1].finish_reason for s in first]
+
+    assert run(engine, scenario, max_waiting_requests=3) == ["length", "length"]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from orca_jax import SamplingParams
+from orca_jax.errors import RequestError
+from orca_jax.sampling_params import MIN_TEMPERATURE
 
 # vLLM's SamplingParams defaults for the fields orca_jax shares (stop / stop_token_ids are
 # normalised to empty lists, as vLLM does).
@@ -78,3 +81,45 @@ INVALID = [
 def test_invalid_value_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_is_a_request_error_naming_the_field(field, value):
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field and info.value.code == "invalid_value"
+
+
+# Values no float32 array of the step may receive (inf, NaN, overflow to inf or to 0), and
+# booleans where numbers are meant.
+UNREPRESENTABLE = [
+    ("temperature", math.inf), ("temperature", math.nan), ("temperature", 2.5), ("temperature", True),
+    ("top_p", math.nan), ("min_p", math.inf), ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
+    ("repetition_penalty", 1e300), ("repetition_penalty", 1e-300), ("repetition_penalty", math.inf),
+    ("max_tokens", True), ("top_k", False), ("n", True), ("logprobs", True), ("seed", True),
+    ("stop_token_ids", [True]), ("temperature", "1.0"),
+]
+
+
+@pytest.mark.parametrize("field,value", UNREPRESENTABLE, ids=[f"{f}={v!r}" for f, v in UNREPRESENTABLE])
+def test_values_the_step_cannot_represent_are_refused(field, value):
+    with pytest.raises(RequestError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_request_error_is_a_value_error():
+    assert issubclass(RequestError, ValueError)
+
+
+def test_tiny_temperature_is_raised_to_the_smallest_that_samples():
+    assert SamplingParams(temperature=1e-300).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+def test_large_integers_are_accepted_where_they_keep_a_meaning():
+    # top_k past any vocabulary keeps all of it (the step clamps it); any integer seed folds.
+    assert SamplingParams(top_k=10**12).top_k == 10**12
+    assert SamplingParams(seed=10**30).seed == 10**30 and SamplingParams(seed=-5).seed == -5
+    SamplingParams(max_tokens=10**12, stop_token_ids=[10**30])
