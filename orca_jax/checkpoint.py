@@ -12,6 +12,9 @@ device (each process, multi-host) reads only its own slices from storage. The ch
 the model's own KV heads; a mesh that replicates them (see `parallel.kv_head_repeats`) restores
 K/V projections whole and repeats them on device. A checkpoint converted at one tensor-parallel
 size restores at any other.
+
+The same format holds the model cache's entries (`orca_jax.model_cache`: converted GGUF files,
+saved uncompressed because restoring then takes half the time).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from orca_jax import parallel
@@ -66,24 +70,45 @@ def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tens
     params = _to_devices(loaded.params, jnp.dtype(dtype), loaded.config, tensor_parallel_size)
     loaded.params = None
     convert_s = time.perf_counter() - start
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save((out_dir / PARAMS_DIR).absolute(), params)
-        checkpointer.wait_until_finished()
-    loaded.tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
-    # The marker last: a directory without it was never finished and is not taken for one.
-    (out_dir / MARKER).write_text(json.dumps({
-        "format_version": FORMAT_VERSION,
-        "model_config": dataclasses.asdict(loaded.config),
-        "dtype": dtype,
-        "tensor_parallel_size": tensor_parallel_size,
-        "source": loaded.source,
-    }, indent=2))
+    save_checkpoint(out_dir, params, loaded.tokenizer, loaded.config, dtype, loaded.source,
+                    tensor_parallel_size=tensor_parallel_size)
     total_s = time.perf_counter() - start
     logger.info("converted %s -> %s in %.1f s (saving %.1f s)", loaded.source, out_dir, total_s, total_s - convert_s)
     return {"convert_s": convert_s, "total_s": total_s}
+
+
+def save_checkpoint(out_dir: str | Path, params: dict, tokenizer, config: ModelConfig, dtype: str, source: str, *,
+                    tensor_parallel_size: int = 1, compress: bool = True, extra: dict | None = None) -> None:
+    """Write a checkpoint directory from converted parameters (numpy or jax arrays, already in
+    `dtype`). `compress`: zstd-compress the arrays (a third smaller for float32, but restoring
+    takes about twice as long: the model cache turns it off). `extra`: more marker fields."""
+    import orbax.checkpoint as ocp
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # StandardCheckpointer is this handler with compression on; the handler lets it be turned off.
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress)) as checkpointer:
+        checkpointer.save((out_dir / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
+    tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+    # The marker last: a directory without it was never finished and is not taken for one.
+    (out_dir / MARKER).write_text(json.dumps({
+        **(extra or {}),
+        "format_version": FORMAT_VERSION,
+        "model_config": dataclasses.asdict(config),
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "source": source,
+    }, indent=2))
+
+
+def place_host_params(params: dict, dtype, mesh: Mesh | None = None, kv_head_repeats: int = 1) -> dict:
+    """Host (numpy) parameters -> jax.Arrays in `dtype`, placed as the runner places converted
+    weights: on the default device (uncommitted), or sharded over `mesh` with K/V heads repeated
+    `kv_head_repeats` times."""
+    if mesh is None:
+        return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    params = parallel.replicate_kv_heads(params, kv_head_repeats)
+    return parallel.place_params(params, parallel.param_shardings(params, mesh), dtype)
 
 
 def _to_devices(params: dict, dtype, config: ModelConfig, tensor_parallel_size: int) -> dict:
@@ -102,6 +127,7 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     dtype: str
+    marker: dict = dataclasses.field(default_factory=dict, repr=False)  # the whole marker file
 
     def restore(self, dtype=None, mesh: Mesh | None = None, kv_head_repeats: int = 1) -> dict:
         """The parameters as jax.Arrays in `dtype` (default: the saved one), on one device or
@@ -127,6 +153,24 @@ class Checkpoint:
         logger.info("restored %s in %.2f s", params_dir, time.perf_counter() - start)
         return params
 
+    def restore_host(self, dtype=None) -> dict:
+        """The parameters as numpy arrays in `dtype` (default: the saved one), on the host."""
+        import orbax.checkpoint as ocp
+
+        dtype = jnp.dtype(dtype or self.dtype)
+        params_dir = (self.path / PARAMS_DIR).absolute()
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+                saved = checkpointer.metadata(params_dir)
+                saved = getattr(saved, "item_metadata", saved)
+                saved = getattr(saved, "tree", saved)
+                restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), saved)
+                params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        except Exception as exc:  # orbax, tensorstore and OS errors alike: name the checkpoint
+            raise CheckpointError(f"could not restore orbax checkpoint {params_dir}: {type(exc).__name__}: {exc}") from exc
+        _check_shapes(params, self.config, self.path)
+        return params
+
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read and check the marker of a checkpoint directory (the parameters stay on disk)."""
@@ -146,7 +190,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     for part in (PARAMS_DIR, TOKENIZER_DIR):
         if not (path / part).is_dir():
             raise CheckpointError(f"checkpoint {path} is incomplete: {path / part} is missing")
-    return Checkpoint(path, config, dtype)
+    return Checkpoint(path, config, dtype, meta)
 
 
 def load_tokenizer(checkpoint: Checkpoint):

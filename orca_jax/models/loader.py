@@ -1,6 +1,12 @@
 """Checkpoint loading: HF directories (safetensors), GGUF files, the embedded default model, and
 orca_jax's own orbax checkpoints (`orca_jax.checkpoint`, already converted).
 
+A GGUF file is parsed once, for its weights and its tokenizer (`gguf_tokenizer`: no torch), and
+its converted weights and tokenizer are cached between runs when a cache directory is given
+(`orca_jax.model_cache`): dequantizing costs seconds at every start, restoring does not.
+HF directories and orbax checkpoints are not cached: safetensors and orbax already load about
+as fast as the cache would.
+
 Every source is first read as a flat dict of HF-named numpy tensors (PyTorch layout), then
 converted once, by the converter of its model family (`orca_jax.models.ARCHITECTURES`), into
 that model's Flax parameter tree (named-axis kernels, layers stacked for the scan).
@@ -14,7 +20,8 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,12 @@ class LoadedModel:
     params: Any
     tokenizer: Any
     source: str
+    # Seconds per loading phase. A GGUF file: "gguf_parse_s", "tokenizer_s" (built from the
+    # metadata, or read from the cache), "dequantize_convert_s"; with the model cache also
+    # "cache_hash_s", and on a hit "cache_restore_open_s" (the marker) instead of parsing.
+    # Filled in later: "cache_save_s" when the background save ends, "cache_restore_s" when the
+    # runner has restored a cache entry onto the device.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,10 +96,13 @@ def _download_from_hub(repo_id: str) -> Path:
         ) from exc
 
 
-def load_model(model: str | os.PathLike | None) -> LoadedModel:
+def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
+               cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load `model` (see `resolve_model_path`). `dtype` is the dtype the weights will run in:
+    it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off."""
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf_cached(path, dtype, cache_dir)
     if path.is_dir():
         from orca_jax import checkpoint
 
@@ -95,7 +111,7 @@ def load_model(model: str | os.PathLike | None) -> LoadedModel:
             return LoadedModel(opened.config, opened, checkpoint.load_tokenizer(opened), str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and ggufs:
-            return _load_gguf(ggufs[0])
+            return _load_gguf_cached(ggufs[0], dtype, cache_dir)
         return _load_hf_dir(path)
     raise ValueError(f"{path} is neither an HF model directory nor a .gguf file")
 
@@ -177,16 +193,26 @@ _GGUF_BLOCK_TO_HF = {
 }
 
 
+def _load_gguf_cached(path: Path, dtype: str, cache_dir) -> LoadedModel:
+    if cache_dir is None:
+        return _load_gguf(path)
+    from orca_jax import model_cache
+
+    return model_cache.load_gguf(path, dtype, Path(cache_dir), convert=_load_gguf)
+
+
 def _load_gguf(path: Path) -> LoadedModel:
+    """Parse the file once: config, tokenizer and weights all come from the same reader."""
     import gguf
 
+    from orca_jax.models.gguf_tokenizer import TOKENIZER_ARRAYS, tokenizer_from_gguf
+
+    start = time.perf_counter()
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:
         raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
-    # Skip the vocabulary arrays (the tokenizer reads them); keep scalars such as eos ids.
-    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
-    meta = {name: _field_value(field) for name, field in reader.fields.items() if name not in big}
+    meta = {name: _field_value(field) for name, field in reader.fields.items() if name not in TOKENIZER_ARRAYS}
     names = {tensor.name for tensor in reader.tensors}
     config = dataclasses.replace(
         gguf_config(meta),
@@ -195,6 +221,14 @@ def _load_gguf(path: Path) -> LoadedModel:
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
     )
+    timings = {"gguf_parse_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    try:
+        tokenizer = tokenizer_from_gguf(reader)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {path}: {exc}") from exc
+    timings["tokenizer_s"] = time.perf_counter() - start
+    start = time.perf_counter()
     tensors = {}
     for tensor in reader.tensors:
         weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
@@ -211,10 +245,10 @@ def _load_gguf(path: Path) -> LoadedModel:
         tensors[hf_name] = weights
     config = dataclasses.replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     params = hf_to_params(tensors, config)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return LoadedModel(config, params, tokenizer, str(path))
+    timings["dequantize_convert_s"] = time.perf_counter() - start
+    logger.info("GGUF %s: parsed in %.2f s, tokenizer %.2f s, dequantized and converted in %.2f s",
+                path.name, timings["gguf_parse_s"], timings["tokenizer_s"], timings["dequantize_convert_s"])
+    return LoadedModel(config, params, tokenizer, str(path), timings)
 
 
 def _field_value(field):

@@ -1,0 +1,307 @@
+"""Converted GGUF models, cached between runs so that a second start neither parses nor
+dequantizes the file again.
+
+    CACHE_DIR/
+      file_hashes.json             (absolute path, size, mtime_ns) -> sha256 of a GGUF file
+      <sha256[:32]>-<dtype>/       an orca_jax checkpoint (`orca_jax.checkpoint`): the weights
+                                   converted and cast to dtype, the tokenizer, the marker
+      .tmp-<entry>-<pid>-<hex>/    an entry being written
+
+An entry is keyed by the file's content, not its path, so a moved or copied file still hits;
+the index only spares hashing the whole file at every start, and a file whose size or mtime
+changed is hashed again. The marker also records a fingerprint of the conversion code and
+libraries (`converter_fingerprint`): an entry written by other conversion code is stale and
+rebuilt in place, so at most one entry per file and dtype exists.
+
+Nothing here is needed for correctness, so nothing here is fatal: an unwritable directory logs
+a warning, an unreadable or stale entry is logged and rebuilt (also when it only fails while the
+runner restores it, see `CachedCheckpoint`), and an entry appears only by one rename of a
+finished directory, so a run killed while saving never leaves a half entry that a later run
+would trust. The entry is written by a background thread while the engine places the weights
+and compiles; it reads the host arrays and never changes them (the runner replaces the leaves of
+the dicts it is given, so the thread keeps its own dicts). Several processes (multi-host) would
+all write through orbax's collective save, so the cache is off then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax import checkpoint
+from orca_jax.checkpoint import Checkpoint, CheckpointError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "file_hashes.json"
+TEMP_PREFIX = ".tmp-"
+_LIBRARIES = ("gguf", "tokenizers", "transformers")  # their versions shape the converted result
+_pending_saves: list[threading.Thread] = []
+
+
+def load_gguf(path: Path, dtype: str, cache_dir: Path, convert: Callable[[Path], Any]):
+    """The converted model of the GGUF file `path` (a `loader.LoadedModel`): from the cache entry
+    for (file content, dtype) when there is a good one, else `convert(path)`, saved to the cache
+    in the background."""
+    if jax.process_count() > 1:
+        return convert(path)
+    cache = ModelCache(cache_dir)
+    start = time.perf_counter()
+    try:
+        digest = cache.file_digest(path)
+    except OSError as exc:
+        logger.warning("model cache: cannot hash %s (%s); loading without the cache", path, exc)
+        return convert(path)
+    timings = {"cache_hash_s": time.perf_counter() - start}
+    entry = cache.entry_path(digest, dtype)
+    hit = cache.open_entry(entry, digest, dtype, timings)
+    if hit is not None:
+        opened, tokenizer = hit
+        from orca_jax.models.loader import LoadedModel
+
+        opened.timings = timings  # the same dict: the runner's restore adds its time to the model's
+        opened.rebuild = lambda: _convert_and_save(cache, path, entry, digest, dtype, convert)
+        loaded = LoadedModel(opened.config, opened, tokenizer, str(path), timings)
+        logger.info("model cache hit: %s (%s) in %s", path.name, dtype, entry)
+        return loaded
+    loaded = _convert_and_save(cache, path, entry, digest, dtype, convert)
+    loaded.timings.update(timings)
+    return loaded
+
+
+def _convert_and_save(cache: ModelCache, path: Path, entry: Path, digest: str, dtype: str, convert):
+    loaded = convert(path)
+    cache.save_in_background(entry, loaded, dtype, digest)
+    return loaded
+
+
+def wait_for_saves(timeout: float | None = None) -> None:
+    """Block until the cache entries being written have been written (tests, benchmarks)."""
+    for thread in list(_pending_saves):
+        thread.join(timeout)
+
+
+def converter_fingerprint() -> str:
+    """A digest of what decides the converted weights and tokenizer: the sources of the model
+    package (GGUF reading, tokenizer building, per-family conversion) and the library versions.
+    Any change there makes existing entries stale, so no one has to remember to bump a version."""
+    import orca_jax.models
+
+    digest = hashlib.sha256(f"checkpoint format {checkpoint.FORMAT_VERSION}".encode())
+    for source in sorted(Path(orca_jax.models.__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for name in _LIBRARIES:
+        digest.update(f"{name}=={importlib.metadata.version(name)}".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class CachedCheckpoint(Checkpoint):
+    """A cache entry handed to the runner like a converted checkpoint. If its parameters cannot
+    be restored (the marker was fine but the arrays are damaged), it converts the GGUF file again
+    instead of failing, and records the restore time in the model's timings."""
+
+    rebuild: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
+    timings: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def restore(self, dtype=None, mesh=None, kv_head_repeats: int = 1) -> dict:
+        start = time.perf_counter()
+        dtype = jnp.dtype(dtype or self.dtype)
+        try:
+            if mesh is None:
+                # Through the host, so the arrays are placed exactly as converted ones are
+                # (uncommitted): arrays restored onto a device are committed, which changes the
+                # step's HLO, and a start from the cache would then miss every program that the
+                # converting start put in the persistent compilation cache. Costs ~0.2 s.
+                params = checkpoint.place_host_params(self.restore_host(dtype), dtype)
+            else:
+                params = super().restore(dtype, mesh, kv_head_repeats)
+        except CheckpointError as exc:
+            if self.rebuild is None:
+                raise
+            logger.warning("model cache entry %s cannot be restored (%s); converting the GGUF file again",
+                           self.path, exc)
+            _remove_tree(self.path)
+            loaded = self.rebuild()
+            self.timings.update(loaded.timings)
+            params = checkpoint.place_host_params(loaded.params, dtype, mesh, kv_head_repeats)
+        self.timings["cache_restore_s"] = time.perf_counter() - start
+        return params
+
+
+@dataclasses.dataclass
+class ModelCache:
+    root: Path
+
+    # ---- the file's content hash, through the index ---------------------------------------------
+    def file_digest(self, path: Path) -> str:
+        """sha256 of the file, looked up by (absolute path, size, mtime_ns); hashed on a miss."""
+        path = Path(path).absolute()
+        stat = path.stat()
+        key = str(path)
+        index = self._read_index()
+        known = index.get(key)
+        if isinstance(known, dict) and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
+            return known["sha256"]
+        start = time.perf_counter()
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        logger.info("model cache: hashed %s in %.2f s", path.name, time.perf_counter() - start)
+        index[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self._write_index(index)
+        return digest
+
+    def _read_index(self) -> dict:
+        try:
+            index = json.loads((self.root / INDEX_FILE).read_text())
+        except (OSError, ValueError):  # none yet, or damaged: every file is simply hashed again
+            return {}
+        return index if isinstance(index, dict) else {}
+
+    def _write_index(self, index: dict) -> None:
+        # Written whole and renamed into place: a concurrent reader sees the old or the new one.
+        temp = self.root / f"{TEMP_PREFIX}{INDEX_FILE}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            temp.write_text(json.dumps(index, indent=1))
+            os.replace(temp, self.root / INDEX_FILE)
+        except OSError as exc:  # the save that follows says so at warning level
+            logger.debug("model cache: cannot write %s: %s", self.root / INDEX_FILE, exc)
+            _remove_tree(temp)
+
+    # ---- entries ---------------------------------------------------------------------------------
+    def entry_path(self, digest: str, dtype: str) -> Path:
+        return self.root / f"{digest[:32]}-{dtype}"
+
+    def open_entry(self, entry: Path, digest: str, dtype: str, timings: dict) -> tuple[CachedCheckpoint, Any] | None:
+        """The opened entry and its tokenizer, or None (logged) when it is absent, stale or damaged.
+        The parameters stay on disk until the runner restores them."""
+        if not entry.exists():
+            return None
+        try:
+            start = time.perf_counter()
+            opened = checkpoint.open_checkpoint(entry)
+            cache_info = opened.marker.get("cache", {})
+            expected = {"gguf_sha256": digest, "converter": converter_fingerprint()}
+            if {k: cache_info.get(k) for k in expected} != expected or opened.dtype != dtype:
+                logger.info("model cache entry %s was written by other conversion code; rebuilding it", entry)
+                return None
+            timings["cache_restore_open_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            tokenizer = _load_tokenizer(entry, opened.marker.get("tokenizer", {}))
+            timings["tokenizer_s"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - any damage means: convert again
+            logger.warning("model cache entry %s is unreadable (%s: %s); rebuilding it", entry, type(exc).__name__, exc)
+            return None
+        fields = {f.name: getattr(opened, f.name) for f in dataclasses.fields(Checkpoint)}
+        return CachedCheckpoint(**fields), tokenizer
+
+    def save_in_background(self, entry: Path, loaded, dtype: str, digest: str) -> threading.Thread:
+        # New dicts over the same arrays: the runner replaces the leaves of loaded.params as it
+        # moves them to the device, the arrays themselves are never written.
+        params = jax.tree.map(lambda x: x, loaded.params)
+        thread = threading.Thread(
+            target=self._save, name="orca-jax-model-cache-save",
+            args=(entry, params, loaded.tokenizer, loaded.config, dtype, loaded.source, digest, loaded.timings),
+        )
+        # Not a daemon: a short run (one `generate`) still finishes the entry before the process exits.
+        thread.start()
+        _pending_saves[:] = [t for t in _pending_saves if t.is_alive()] + [thread]
+        return thread
+
+    def _save(self, entry: Path, params: dict, tokenizer, config, dtype: str, source: str, digest: str,
+              timings: dict) -> None:
+        start = time.perf_counter()
+        temp = self.root / f"{TEMP_PREFIX}{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_abandoned_temps()
+            target = jnp.dtype(dtype)
+            host = jax.tree.map(lambda x: np.asarray(x, target), params)  # no copy when already in dtype
+            del params
+            checkpoint.save_checkpoint(
+                temp, host, tokenizer, config, dtype, source, compress=False,
+                extra={
+                    "cache": {"gguf_sha256": digest, "converter": converter_fingerprint()},
+                    # save_pretrained does not keep these; the post-processor depends on them.
+                    "tokenizer": {"add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
+                                  "add_eos_token": bool(getattr(tokenizer, "add_eos_token", False))},
+                },
+            )
+            del host
+            self._publish(temp, entry)
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written only costs time
+            logger.warning("model cache: could not save %s (%s: %s); the next start converts the file again",
+                           entry, type(exc).__name__, exc)
+            _remove_tree(temp)
+            return
+        timings["cache_save_s"] = time.perf_counter() - start
+        logger.info("model cache: saved %s in %.2f s", entry, timings["cache_save_s"])
+
+    def _publish(self, temp: Path, entry: Path) -> None:
+        """Move a finished entry into place. An entry already there was found stale or damaged
+        (or another process has just written one): it is moved aside and removed first."""
+        if entry.exists():
+            trash = self.root / f"{TEMP_PREFIX}trash-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(entry, trash)
+            except OSError:
+                pass  # gone meanwhile
+            _remove_tree(trash)
+        try:
+            os.rename(temp, entry)
+        except OSError:  # another process published the same entry between the two renames
+            _remove_tree(temp)
+
+    def _remove_abandoned_temps(self) -> None:
+        """Entries half-written by processes that no longer run (killed while saving)."""
+        for temp in self.root.glob(f"{TEMP_PREFIX}*"):
+            try:
+                pid = int(temp.name.rsplit("-", 2)[-2])
+            except (ValueError, IndexError):
+                continue
+            if pid != os.getpid() and not _process_alive(pid):
+                _remove_tree(temp)
+
+
+def _load_tokenizer(entry: Path, flags: dict):
+    # The class it was saved from, not AutoTokenizer: AutoTokenizer imports model configuration
+    # code, which imports torch whenever torch is installed.
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        str(entry / checkpoint.TOKENIZER_DIR),
+        add_bos_token=bool(flags.get("add_bos_token", False)),
+        add_eos_token=bool(flags.get("add_eos_token", False)),
+    )
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink(missing_ok=True)
