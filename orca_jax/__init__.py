@@ -1,5 +1,11 @@
 """orca_jax: iteration-level scheduling and selective batching (Orca, OSDI 2022) in JAX."""
 
+import os
+
+# orca_jax uses transformers for tokenizers and configs only, never its PyTorch models, so its
+# "PyTorch was not found" advice on import is noise to our users (a user's own setting wins).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.engine import LLMEngine
 from orca_jax.llm import LLM

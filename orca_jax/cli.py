@@ -126,6 +126,10 @@ def cmd_generate(args) -> int:
     while engine.has_unfinished_requests():
         for output in engine.step():
             _print_generation(output, args.n, printed)
+    if args.startup_json:
+        from orca_jax.bench.startup import write_generate_record
+
+        write_generate_record(args.startup_json, engine, output)
     return 0
 
 
@@ -225,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop when TEXT is generated (not printed); repeat for several")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--n", type=int, default=1, help="samples of the prompt, printed as each finishes (default: 1)")
+    gen.add_argument("--startup-json", default=None, metavar="PATH",
+                     help="write the start-up phases (seconds) here as JSON, for `orca-jax bench startup`")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

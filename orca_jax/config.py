@@ -200,6 +200,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, tuple | None]:
     return float(theta), tuple((k, scaling[k]) for k in keys)
 
 
+def kv_pool_tokens(num_pages: int, page_size: int) -> int:
+    """Tokens a pool of `num_pages` holds for sequences: page 0 is the padding sink."""
+    return (num_pages - 1) * page_size
+
+
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     """start, 2*start, ... and finally `limit` itself, so the largest bucket is exact."""
     sizes, size = [], start
@@ -221,7 +226,9 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's context length, capped at 4096
+    # None: the model's context length, lowered to what the KV pool holds if one sequence of
+    # that length would not fit (see `fit_kv_pool`).
+    max_model_len: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # None: sized from the memory budget below
     kv_cache_memory_bytes: int = 1 << 30  # budget on CPU, where free memory is not reported
@@ -240,6 +247,8 @@ class EngineConfig:
     model_cache_dir: str | None = field(default_factory=default_model_cache_dir)
     # Filled in from the model once it is loaded (see `resolve`).
     token_buckets: tuple[int, ...] = field(default=(), compare=False)
+    # True when `resolve` took max_model_len from the model, so the KV pool may lower it.
+    max_model_len_from_model: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         errors = []
@@ -269,7 +278,7 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> "EngineConfig":
         """Fix the settings that depend on the model: context length and shape buckets."""
-        max_len = self.max_model_len or min(model_config.max_position_embeddings, 4096)
+        max_len = self.max_model_len or model_config.max_position_embeddings
         if max_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's context "
@@ -278,7 +287,19 @@ class EngineConfig:
         buckets = _powers_of_two_up_to(
             self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens)
         )
-        return dataclasses.replace(self, max_model_len=max_len, token_buckets=buckets)
+        from_model = self.max_model_len is None or self.max_model_len_from_model
+        return dataclasses.replace(self, max_model_len=max_len, token_buckets=buckets,
+                                   max_model_len_from_model=from_model)
+
+    def fit_kv_pool(self, num_pages: int) -> "EngineConfig":
+        """The settings for a KV pool of `num_pages`: the model's context length, lowered (to
+        whole pages) when the pool cannot hold one sequence of it. A max_model_len that was
+        set explicitly is kept; requests longer than the pool are then refused one by one."""
+        assert self.max_model_len, "call resolve() first"
+        pool_tokens = kv_pool_tokens(num_pages, self.page_size)
+        if not self.max_model_len_from_model or self.max_model_len <= pool_tokens:
+            return self
+        return dataclasses.replace(self, max_model_len=pool_tokens)
 
     def resolved_kv_cache_dtype(self, backend: str) -> str:
         if self.kv_cache_dtype != "auto":

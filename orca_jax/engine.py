@@ -20,8 +20,10 @@ import numpy as np
 
 from orca_jax import multihost, parallel
 from orca_jax.batch import build_batch
+from orca_jax.compilation_cache import active_cache_dir, enable_compilation_cache
 from orca_jax.config import EngineConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.errors import RequestError, check_unicode
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
@@ -62,11 +64,12 @@ class Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True, **overrides):
+        started = time.perf_counter()
         config = config or EngineConfig(**overrides)
         if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        loaded = load_model(config.model)
+            enable_compilation_cache(config.compilation_cache_dir)
+        loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir)
+        loaded_at = time.perf_counter()
         self.model_config = loaded.config
         self.config = config.resolve(loaded.config)
         self.tokenizer = loaded.tokenizer
@@ -85,6 +88,10 @@ class LLMEngine:
         params, loaded.params = loaded.params, None  # the runner takes the only reference
         self.runner = ModelRunner(loaded.config, self.config, params, self.attention_impl, mesh, self.channel)
         del params
+        # The runner lowers max_model_len to what the KV pool holds when it came from the model.
+        self.config = self.runner.config
+        if self.channel is not None:
+            self.channel.config = self.config
         release_free_host_memory()
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(self.config, self.allocator)
@@ -96,70 +103,125 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
         self.num_steps = 0
+        # Seconds per start-up phase (and warm-up's program counts), for logs and `bench startup`.
+        self.startup_timings: dict[str, float] = {
+            "load_model_s": loaded_at - started,
+            **{f"loader_{name}": seconds for name, seconds in loaded.timings.items()},
+            **self.runner.timings,
+            "engine_init_s": time.perf_counter() - loaded_at,
+        }
+        self._log_settings()
         if warmup:
-            self.runner.warmup()
+            report = self.runner.warmup()
+            self.startup_timings.update(warmup_s=report.seconds, warmup_programs=report.counts.programs,
+                                        warmup_cache_hits=report.counts.cache_hits)
+        self.startup_timings["startup_s"] = time.perf_counter() - started
+        self.ready_at = time.monotonic()  # the clock of RequestOutput's arrival and first-token times
+        logger.info("engine ready in %.1f s: %s", self.startup_timings["startup_s"], ", ".join(
+            f"{name.removesuffix('_s')} {seconds:.2f} s" for name, seconds in self.startup_timings.items()
+            if name.endswith("_s") and name != "startup_s"))
+
+    def _log_settings(self) -> None:
+        c = self.config
+        logger.info(
+            "engine: model %s (%s, %d layers), dtype %s, kv cache dtype %s, attention %s, max_model_len %d%s, "
+            "max_num_seqs %d, max_num_batched_tokens %d, token buckets %s, page_size %d, KV pool %d pages "
+            "(%d tokens), scheduling %s, tensor_parallel_size %d, compilation cache %s",
+            c.model or "default", self.model_config.model_type, self.model_config.num_layers, c.dtype,
+            self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
+            " (the model's)" if c.max_model_len == self.model_config.max_position_embeddings else "",
+            c.max_num_seqs, c.max_num_batched_tokens, list(c.token_buckets), c.page_size, self.allocator.num_pages,
+            self.allocator.num_usable * c.page_size, c.scheduling, c.tensor_parallel_size,
+            active_cache_dir() or "off",
+        )
 
     # ---- requests in ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. Raises ValueError (and changes nothing) if it is bad."""
+        """Validate and queue a request. Raises RequestError (a ValueError naming the bad
+        argument) or TypeError, and changes nothing, if it is bad."""
+        self.add_requests([(request_id, prompt, params)])
+
+    def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams | None]]) -> None:
+        """Validate and queue several requests (request id, prompt, params), all or none: the
+        first bad one raises as add_request does, and then none is queued."""
+        prepared: dict[str, Request] = {}
+        for request_id, prompt, params in requests:
+            if request_id in prepared:
+                raise RequestError(f"request id {request_id!r} is already in use", None, "duplicate_request_id")
+            prepared[request_id] = self._prepare(request_id, prompt, params)
+        for request in prepared.values():
+            self._queue(request)
+
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None) -> Request:
+        """Everything add_request checks, without touching the engine's state."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", None, "duplicate_request_id")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+            raise RequestError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}",
+                               "logprobs")
         text, token_ids = self._tokenize(prompt)
-        self._validate_lengths(token_ids, params)
-        seqs = [
-            Sequence(next(self._seq_ids), request_id, i, token_ids, params, self._sample_seed(params, i))
-            for i in range(params.n)
-        ]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0) for i in range(params.n)]
+        self._validate_lengths(seqs[0])
         detoks = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
             for _ in seqs
         ]
-        request = Request(request_id, text, token_ids, params, seqs, detoks, reported_tokens=[0] * params.n)
-        self.requests[request_id] = request
-        for seq in seqs:
+        return Request(request_id, text, token_ids, params, seqs, detoks, reported_tokens=[0] * params.n)
+
+    def _queue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            # Seeds are drawn only for accepted requests, so a rejected one leaves the
+            # engine's seed stream where it was.
+            seq.seed = self._sample_seed(request.params, seq.index)
             seq.arrival_time = request.arrival_time
             self.scheduler.add(seq)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise RequestError("prompt is empty", "prompt")
+            check_unicode(prompt, "prompt")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+                raise RequestError("prompt token ids must be integers", "prompt")
             ids = [int(t) for t in prompt]
             if not ids:
-                raise ValueError("prompt is empty")
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+                raise RequestError("prompt is empty", "prompt")
+            vocab_size = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+                raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
             return None, ids
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _validate_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_lengths(self, seq: Sequence) -> None:
+        """The prompt leaves room for a generated token, and one sample at its longest fits
+        in the KV pool (each of the n samples is its own sequence and can run alone: the
+        scheduler preempts or waits). A max_tokens past max_model_len is not an error here:
+        generation stops at max_model_len, as in vLLM's offline API."""
         max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, but max_model_len is {max_len}: "
-                "it must leave room for at least one generated token"
+        if seq.num_prompt_tokens >= max_len:
+            raise RequestError(
+                f"prompt is {seq.num_prompt_tokens} tokens, but max_model_len is {max_len}: "
+                "it must leave room for at least one generated token", "prompt", "context_length_exceeded"
             )
-        # Each of the n samples is its own sequence and can run alone (the scheduler preempts
-        # or waits), so only one sequence at full length has to fit in the pool.
-        needed = self.allocator.pages_needed(min(len(token_ids) + params.max_tokens, max_len))
+        needed = self.allocator.pages_needed(self.scheduler.max_len(seq))
         if needed > self.allocator.num_usable:
-            raise ValueError(
+            raise RequestError(
                 f"request needs {needed} KV pages at full length, the cache has "
-                f"{self.allocator.num_usable}; lower max_tokens or raise num_pages"
+                f"{self.allocator.num_usable}; lower max_tokens or raise num_pages", "max_tokens"
             )
 
     def _sample_seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is None:
             return int(self._seed_rng.integers(0, 2**32))
-        # Distinct, reproducible streams for the n samples of one seeded request.
+        # Distinct, reproducible streams for the n samples of one seeded request (any integer
+        # seed, negative or past 64 bits, folds into the 32 bits the step keys on).
         return (params.seed + index * 0x9E3779B9) % 2**32
 
     def abort(self, request_id: str) -> bool:

@@ -17,7 +17,7 @@ from collections import deque
 import jax
 import jax.numpy as jnp
 
-from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.config import EngineConfig, ModelConfig, kv_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -96,26 +96,47 @@ def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=Non
     gpu_memory_utilization, measured after the weights are loaded), or a stated byte budget on
     CPU, where JAX reports no memory limit. Both are per device: with the cache sharded over
     `num_shards` devices (tensor parallelism), a device holds 1/num_shards of each page."""
+    per_page = kv_bytes_per_page(model, config.page_size, dtype) // num_shards
     if config.num_pages is not None:
-        return config.num_pages
-    device = device or jax.local_devices()[0]
+        num_pages, source = config.num_pages, "num_pages set"
+    else:
+        budget, source = _memory_budget(config, device or jax.local_devices()[0])
+        # Never more pages than every sequence at full length could use, plus the sink page.
+        useful = config.max_num_seqs * config.max_pages_per_seq + 1
+        num_pages = max(2, min(budget // per_page, useful))
+    logger.info(
+        "KV cache: %d pages of %d tokens (%d tokens for sequences), %.1f MiB per device (%s)",
+        num_pages, config.page_size, kv_pool_tokens(num_pages, config.page_size), num_pages * per_page / 2**20,
+        source,
+    )
+    return num_pages
+
+
+def _memory_budget(config: EngineConfig, device) -> tuple[int, str]:
+    """Bytes for the cache on one device, and where the number comes from."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         budget = int(free * config.gpu_memory_utilization)
-        source = f"{config.gpu_memory_utilization:.0%} of {free / 2**30:.2f} GiB free on {device.platform}"
-    else:
-        budget = config.kv_cache_memory_bytes
-        source = f"kv_cache_memory_bytes={budget}"
-    per_page = kv_bytes_per_page(model, config.page_size, dtype) // num_shards
-    # Never more pages than every sequence at full length could use, plus the sink page.
-    useful = config.max_num_seqs * config.max_pages_per_seq + 1
-    num_pages = max(2, min(budget // per_page, useful))
-    logger.info(
-        "KV cache: %d pages of %d tokens, %.1f MiB per device (%s)",
-        num_pages, config.page_size, num_pages * per_page / 2**20, source,
-    )
-    return num_pages
+        return budget, f"{config.gpu_memory_utilization:.0%} of {free / 2**30:.2f} GiB free on {device.platform}"
+    return config.kv_cache_memory_bytes, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+
+
+def fit_context_to_pool(config: EngineConfig, num_pages: int) -> EngineConfig:
+    """`config.fit_kv_pool(num_pages)`, saying so when it lowers the context or when an
+    explicit max_model_len is longer than the pool."""
+    fitted = config.fit_kv_pool(num_pages)
+    pool_tokens = kv_pool_tokens(num_pages, config.page_size)
+    if fitted.max_model_len < config.max_model_len:
+        logger.warning(
+            "max_model_len lowered from %d (the model's context) to %d: the KV pool of %d pages holds only "
+            "%d tokens; raise kv_cache_memory_bytes / gpu_memory_utilization or num_pages for the full context",
+            config.max_model_len, fitted.max_model_len, num_pages, pool_tokens)
+    elif fitted.max_model_len > pool_tokens:
+        logger.warning(
+            "max_model_len %d is longer than the KV pool (%d pages, %d tokens): longer requests are refused",
+            fitted.max_model_len, num_pages, pool_tokens)
+    return fitted
 
 
 def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> jax.Array:

@@ -3,16 +3,21 @@
     step(params, kv_cache, batch, inv_freq) -> (kv_cache, SampleOutput)
 
 Everything the step reads is an argument; the KV cache is donated so XLA updates it in place.
-Programs are compiled up front by `warmup()` (AOT: `jit(...).lower(...).compile()`), and
-`execute()` only ever calls those executables, so a shape outside the buckets is an error,
-never a silent recompile.
+Programs are built ahead of time, one per token bucket (`jit(...).lower(...).compile()`, which
+JAX's persistent cache turns into a load on a second start): all of them by `warmup()`, the
+compiles in a thread pool, or each on first use. `execute()` only ever calls those
+executables, so a shape outside the buckets is an error, never a silent recompile.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -23,14 +28,34 @@ from jax.sharding import Mesh
 
 from orca_jax import parallel
 from orca_jax.batch import Batch, empty_batch
-from orca_jax.compile_guard import compile_count
+from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import choose_num_pages, create_kv_cache
+from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
 from orca_jax.models.layers import AttentionInputs, rope_inv_freq
 from orca_jax.sampling import SampleOutput, sample
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    buckets: tuple[int, ...]  # the token buckets built now (those built before are left out)
+    seconds: float
+    counts: CompileCounts  # programs built, and how many came from the persistent cache
+
+
+# One XLA CPU compile of a step program keeps ~1.7 cores busy on its own (measured on 2 cores:
+# 33-39 s of CPU in 20-23 s for the default model's 7 buckets one at a time). Two at once on 2
+# cores took as long and cost 15-30% more CPU, so a compile gets two cores.
+CORES_PER_COMPILE = 2
+
+
+def compile_workers(num_programs: int) -> int:
+    """Compiles to run at once: one per CORES_PER_COMPILE cores this process may use (at least
+    one, so that lowering the next bucket overlaps compiling the last)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(num_programs, cores // CORES_PER_COMPILE))
 
 
 def forward(model: nn.Module, params, kv_cache, batch: Batch, inv_freq):
@@ -81,15 +106,22 @@ class ModelRunner:
         self.model_config = parallel.sharded_model_config(model_config, tp) if mesh is not None else model_config
         self.model = architecture(model_config.model_type).model_class(
             self.model_config, attention_impl, self.dtype, mesh=mesh)
-        self.params = self._place_params(params, model_config, tp)
+        start = time.perf_counter()
+        # Blocking here (placement is asynchronous) charges each start-up phase its own time.
+        self.params = jax.block_until_ready(self._place_params(params, model_config, tp))
+        self.timings = {"weights_to_device_s": time.perf_counter() - start}
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
         self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype, num_shards=tp)
         if jax.process_count() > 1:
             # Each process sized the pool from its own free memory; the leader's page tables
             # index every process's cache, so all take the leader's count.
             self.num_pages = int(multihost_utils.broadcast_one_to_all(np.int32(self.num_pages)))
+        # The programs' shapes hold max_model_len, so it is final before anything compiles.
+        self.config = fit_context_to_pool(config, self.num_pages)
         self.kv_sharding = parallel.kv_cache_sharding(mesh) if mesh is not None else None
+        start = time.perf_counter()
         self.reset_kv_cache()
+        self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
         # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned
         # positions) ignores them.
         self.inv_freq = self._put(np.asarray(rope_inv_freq(
@@ -111,6 +143,7 @@ class ModelRunner:
             self._forward = jax.jit(fwd, in_shardings=inputs, out_shardings=(replicated, self.kv_sharding),
                                     donate_argnames=("kv_cache",))
         self._programs: dict[int, jax.stages.Compiled] = {}
+        self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
 
     def _place_params(self, params, model_config: ModelConfig, tp: int):
         if self.mesh is None:
@@ -132,25 +165,46 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed cache (at start-up, and after a failed step consumed the donated one)."""
         self.kv_cache = create_kv_cache(self.model_config, self.num_pages, self.config.page_size, self.kv_dtype,
-                                        sharding=self.kv_sharding)
+                                        sharding=self.kv_sharding).block_until_ready()
 
-    def warmup(self) -> None:
-        """Compile one program per token bucket and run each once."""
-        start, compiles_before = time.perf_counter(), compile_count()
-        for bucket in self.config.token_buckets:
-            self.execute(empty_batch(self.config, bucket))
+    def warmup(self, buckets: Sequence[int] | None = None) -> WarmupReport:
+        """Build the step program of each token bucket (all of them by default) before serving.
+
+        Each is lowered here, in turn (tracing is Python and holds the GIL), and handed to a
+        thread pool to compile (XLA releases the GIL), so compiles overlap each other and the
+        next lowering. The programs are not run (a first run costs no more than a later one,
+        measured on CPU, so running them would only lengthen the start), except to make the
+        followers of a multi-host leader build theirs."""
+        start, counts_before = time.perf_counter(), compile_counts()
+        wanted = self.config.token_buckets if buckets is None else buckets
+        todo = [b for b in dict.fromkeys(wanted) if b not in self._programs]
+        with ThreadPoolExecutor(max_workers=compile_workers(len(todo)), thread_name_prefix="compile") as pool:
+            futures = {b: pool.submit(self._lower(b).compile) for b in todo}
+            for bucket, future in futures.items():
+                self._programs[bucket] = future.result()
+        if self.channel is not None:
+            # Multi-host followers build their programs on first use: one padding step per
+            # bucket has them build all of them now rather than in the first requests.
+            for bucket in todo:
+                self.execute(empty_batch(self.config, bucket))
+        report = WarmupReport(tuple(todo), time.perf_counter() - start, compile_counts() - counts_before)
         logger.info(
-            "warm-up: %d step programs (token buckets %s), %d XLA compiles, %.1f s",
-            len(self._programs), list(self.config.token_buckets),
-            compile_count() - compiles_before, time.perf_counter() - start,
+            "warm-up: %d step programs (token buckets %s) in %.1f s: %d compiled, %d from the compilation cache",
+            len(todo), list(todo), report.seconds, report.counts.compiled, report.counts.cache_hits,
         )
+        return report
+
+    def _lower(self, bucket: int) -> jax.stages.Lowered:
+        if bucket not in self.config.token_buckets:
+            raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
+        return self._step.lower(self.params, self.kv_cache, empty_batch(self.config, bucket), self.inv_freq)
 
     def _program(self, batch: Batch) -> jax.stages.Compiled:
         bucket = batch.num_tokens
-        if bucket not in self._programs:
-            if bucket not in self.config.token_buckets:
-                raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
-            self._programs[bucket] = self._step.lower(self.params, self.kv_cache, batch, self.inv_freq).compile()
+        if bucket not in self._programs:  # not warmed up: built on first use
+            start = time.perf_counter()
+            self._programs[bucket] = self._lower(bucket).compile()
+            self.first_use_build_s[bucket] = time.perf_counter() - start
         return self._programs[bucket]
 
     def logits(self, batch: Batch) -> np.ndarray:

@@ -19,6 +19,25 @@ _CORPUS = [
 ] * 20
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache_root(tmp_path_factory):
+    """Everything orca_jax caches between runs (compiled programs, converted weights) goes to
+    a directory of this test session, never to the user's ~/.cache; child processes the tests
+    start inherit it."""
+    import os
+
+    from orca_jax.cache_dirs import CACHE_DIR_ENV
+
+    root = tmp_path_factory.mktemp("orca-jax-cache")
+    before = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(root)
+    yield root
+    if before is None:
+        del os.environ[CACHE_DIR_ENV]
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
 def make_tokenizer(directory: Path) -> None:
     """A small byte-level BPE tokenizer (vocab TINY_VOCAB) saved in HF format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

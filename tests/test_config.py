@@ -19,11 +19,26 @@ def test_token_buckets_are_powers_of_two_ending_at_the_budget():
     assert cfg.seq_bucket(4) == 4
 
 
-def test_max_model_len_defaults_to_model_context_capped():
+def test_max_model_len_defaults_to_the_models_context():
     assert EngineConfig().resolve(_model(max_position_embeddings=1024)).max_model_len == 1024
-    assert EngineConfig().resolve(_model(max_position_embeddings=131072)).max_model_len == 4096
+    assert EngineConfig().resolve(_model(max_position_embeddings=131072)).max_model_len == 131072
+    assert EngineConfig(max_model_len=512).resolve(_model()).max_model_len == 512
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=2048).resolve(_model(max_position_embeddings=1024))
+
+
+def test_kv_pool_lowers_only_the_models_context():
+    """One sequence of the model's length must fit the pool (page 0 holds no sequence);
+    otherwise the context drops to whole pages that do. An explicit length stays."""
+    model = _model(max_position_embeddings=1024)
+    default = EngineConfig(page_size=16).resolve(model)
+    assert default.fit_kv_pool(num_pages=65).max_model_len == 1024  # 64 pages: exactly one sequence
+    lowered = default.fit_kv_pool(num_pages=40)
+    assert lowered.max_model_len == 39 * 16 and lowered.max_pages_per_seq == 39
+    assert lowered.fit_kv_pool(num_pages=40) == lowered, "fitting twice changes nothing"
+    assert lowered.resolve(model).max_model_len_from_model, "resolving again keeps where the length came from"
+    explicit = EngineConfig(page_size=16, max_model_len=1024).resolve(model)
+    assert explicit.fit_kv_pool(num_pages=40).max_model_len == 1024
 
 
 def test_max_pages_per_seq_rounds_up():

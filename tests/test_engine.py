@@ -559,18 +559,61 @@ def test_streamed_deltas_add_up(engine, params):
     assert_idle(engine)
 
 
-def test_persistent_compilation_cache_is_written(tiny_llama_dir, tmp_path):
-    """`compilation_cache_dir` turns on JAX's persistent cache (a process-wide setting, so
-    checked in a child process): warm-up leaves compiled programs on disk."""
-    import subprocess
-    import sys
+def test_bad_requests_hold_no_pages_and_leave_others_alone(engine, reference):
+    from orca_jax.errors import RequestError
 
-    cache = tmp_path / "xla-cache"
-    code = (
-        "from orca_jax import LLMEngine\n"
-        f"LLMEngine(model={str(tiny_llama_dir)!r}, max_num_seqs=2, max_num_batched_tokens=16,"
-        f" page_size=8, num_pages=16, max_model_len=64, compilation_cache_dir={str(cache)!r})\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-    assert cache.is_dir() and any(cache.iterdir())
+    engine.add_request("good", PROMPT, greedy(16, ignore_eos=True))
+    engine.step()
+    engine.step()  # the good request is running and holds pages
+    pages_in_use = engine.allocator.num_used
+    assert pages_in_use > 0
+    bad = [
+        ([3, -1], greedy(4), "prompt"),
+        ([4294967296], greedy(4), "prompt"),
+        ([10**30], greedy(4), "prompt"),
+        ("Hi \ud800", greedy(4), "prompt"),
+        ([5] * 128, greedy(4), "prompt"),
+        ([5] * 100, greedy(4, logprobs=10**12), "logprobs"),
+    ]
+    for i, (prompt, params, param) in enumerate(bad):
+        with pytest.raises(RequestError) as info:
+            engine.add_request(f"bad-{i}", prompt, params)
+        assert info.value.param == param
+    # A group with one bad request queues none of them.
+    with pytest.raises(RequestError, match="out of range") as info:
+        engine.add_requests([("g0", [3, 4], greedy(4)), ("g1", [3, 4], greedy(4)), ("g2", [3, 10**6], greedy(4))])
+    assert info.value.param == "prompt"
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_requests([("g0", [3, 4], greedy(4)), ("g0", [3, 4], greedy(4))])
+    assert set(engine.requests) == {"good"}
+    assert engine.allocator.num_used == pages_in_use, "a rejected request took KV pages"
+    final, _ = drain(engine)
+    assert final["good"].token_ids == reference.token_ids
+    assert_idle(engine)
 
+
+def test_extreme_valid_params_share_a_step_without_harm(engine, reference):
+    extremes = [
+        SamplingParams(max_tokens=6, temperature=1.0, top_k=10**12, seed=1),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=10**30),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=-(10**20)),
+        SamplingParams(max_tokens=6, temperature=1e-300, seed=2),
+        SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-300, min_p=1e-300, seed=3),
+        SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[10**30]),
+        SamplingParams(max_tokens=6, temperature=1.0, repetition_penalty=100.0, frequency_penalty=2.0, seed=4),
+        SamplingParams(max_tokens=6, temperature=2.0, repetition_penalty=0.01, presence_penalty=-2.0, seed=5),
+    ]
+    requests = [("reference", PROMPT, greedy(16, ignore_eos=True))]
+    requests += [(f"x{i}", PROMPT, dataclasses.replace(p, ignore_eos=True)) for i, p in enumerate(extremes)]
+    final = run_batch(engine, requests)
+    assert final["reference"].token_ids == reference.token_ids, "an extreme request disturbed its batch"
+    vocab = engine.model_config.vocab_size
+    for i in range(len(extremes)):
+        out = final[f"x{i}"]
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 6 and all(0 <= t < vocab for t in out.outputs[0].token_ids)
+    # A top_k past the vocabulary keeps all of it: the same draw as no top_k.
+    no_top_k = run_alone(engine, PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))
+    assert final["x0"].outputs[0].token_ids == no_top_k.outputs[0].token_ids
+    # The smallest nucleus keeps only the most likely token: greedy.
+    assert final["x4"].outputs[0].token_ids == reference.token_ids[:6]

@@ -14,6 +14,7 @@ from orca_jax.kv_cache import (
     PageAllocator,
     choose_num_pages,
     create_kv_cache,
+    fit_context_to_pool,
     kv_bytes_per_page,
 )
 
@@ -154,3 +155,23 @@ def test_choose_num_pages():
 
     tiny = EngineConfig(page_size=8, max_model_len=64, kv_cache_memory_bytes=1).resolve(MODEL)
     assert choose_num_pages(tiny, MODEL, jnp.float32) == 2
+
+
+def test_a_pool_shorter_than_the_models_context_lowers_it_and_says_so(caplog):
+    """The model's 4096 tokens need 513 pages of 8 (with the sink); a budget of 101 pages
+    serves 800 tokens per sequence, and the log says why the context dropped."""
+    per_page = kv_bytes_per_page(MODEL, 8, jnp.float32)
+    config = EngineConfig(page_size=8, kv_cache_memory_bytes=101 * per_page).resolve(MODEL)
+    assert config.max_model_len == MODEL.max_position_embeddings
+    num_pages = choose_num_pages(config, MODEL, jnp.float32)
+    assert num_pages == 101
+    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+        fitted = fit_context_to_pool(config, num_pages)
+    assert fitted.max_model_len == 800
+    assert "max_model_len lowered from 4096" in caplog.text and "800" in caplog.text
+
+    caplog.clear()
+    roomy = EngineConfig(page_size=8, kv_cache_memory_bytes=600 * per_page).resolve(MODEL)
+    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+        assert fit_context_to_pool(roomy, choose_num_pages(roomy, MODEL, jnp.float32)) == roomy
+    assert not caplog.text

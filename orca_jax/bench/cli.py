@@ -260,6 +260,35 @@ def _add_simulate_parser(sub) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
+# ---- bench startup ---------------------------------------------------------------------------------
+def cmd_startup(args) -> int:
+    import shlex
+
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.startup import StartupSettings, format_report, run_startup
+
+    settings = StartupSettings(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+                               repeats=args.repeats, generate_args=tuple(shlex.split(args.generate_args)))
+    record = run_startup(settings, command_from_args("startup", args), progress=lambda line: print(line, flush=True))
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0
+
+
+def _add_startup_parser(sub) -> None:
+    from orca_jax.bench.startup import DEFAULT_PROMPT
+
+    p = sub.add_parser("startup", help="process start to first token of `orca-jax generate`, cold and warm caches")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"the chat prompt (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-tokens", type=_positive_int, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="cold and warm runs each (default 3)")
+    p.add_argument("--generate-args", default="", metavar="FLAGS",
+                   help="more `orca-jax generate` flags, quoted as one string (e.g. '--max-num-batched-tokens 128')")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/startup_cpu.json", help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_startup)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -268,3 +297,4 @@ def add_bench_parser(subparsers) -> None:
     _add_offline_parser(sub)
     _add_serve_parser(sub)
     _add_simulate_parser(sub)
+    _add_startup_parser(sub)
