@@ -312,6 +312,28 @@ def run_parallel_worker():
     return run
 
 
+def wait_until_idle(async_engine, timeout: float = 10.0) -> None:
+    """Until nothing runs or waits and every KV page is free (the engine frees pages at the
+    step after an abort, so allow it a moment)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = async_engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_used == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"server not idle: {async_engine.stats()}")
+
+
+@pytest.fixture(scope="session")
+def server_idle_waiter():
+    """`server_idle_waiter(async_engine)`: a function that waits until that engine is idle."""
+    import functools
+
+    return lambda async_engine: functools.partial(wait_until_idle, async_engine)
+
+
 @pytest.fixture(scope="session")
 def serve_in_thread():
     """`with serve_in_thread(app) as url:` runs an ASGI app under uvicorn on a free port of

@@ -14,6 +14,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -38,6 +39,7 @@ class LiveServer:
     url: str
     engine: LLMEngine
     async_engine: AsyncLLMEngine
+    wait_idle: Callable[[], None]  # until nothing runs or waits and every KV page is free
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **kw)
@@ -57,26 +59,15 @@ class LiveServer:
                 samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return samples
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        """Until nothing runs or waits and every KV page is free (the engine frees pages at the
-        step after an abort, so allow it a moment)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            stats = self.async_engine.stats()
-            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_used == 0:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"server not idle: {self.async_engine.stats()}")
-
 
 @pytest.fixture(scope="module")
-def live(tiny_engine_factory, serve_in_thread):
+def live(tiny_engine_factory, serve_in_thread, server_idle_waiter):
     engine = tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=128,
                                  max_model_len=MAX_MODEL_LEN)
     async_engine, app = build_app(engine, ServerSettings(MODEL, max_request_bytes=MAX_REQUEST_BYTES),
                                   max_waiting_requests=64)
     with serve_in_thread(app) as url:
-        yield LiveServer(url, engine, async_engine)
+        yield LiveServer(url, engine, async_engine, server_idle_waiter(async_engine))
 
 
 @pytest.fixture(autouse=True)

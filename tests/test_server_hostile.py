@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -37,30 +38,22 @@ class Server:
     url: str
     engine: LLMEngine
     async_engine: AsyncLLMEngine
+    wait_idle: Callable[[], None]  # until nothing runs or waits and every KV page is free
 
     def post(self, path: str, body, *, auth: str = f"Bearer {API_KEY}", timeout: float = 60) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body)
         return httpx.post(f"{self.url}{path}", content=content, timeout=timeout,
                           headers={"Content-Type": "application/json", "Authorization": auth})
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            stats = self.async_engine.stats()
-            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_used == 0:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"server not idle: {self.async_engine.stats()}")
-
 
 @pytest.fixture(scope="module")
-def server(tiny_engine_factory, serve_in_thread):
+def server(tiny_engine_factory, serve_in_thread, server_idle_waiter):
     engine = tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=128,
                                  max_model_len=MAX_MODEL_LEN)
     # The default body limit (1 MiB), so that big hostile bodies reach the parser.
     async_engine, app = build_app(engine, ServerSettings(MODEL, api_key=API_KEY), max_waiting_requests=MAX_WAITING)
     with serve_in_thread(app) as url:
-        yield Server(url, engine, async_engine)
+        yield Server(url, engine, async_engine, server_idle_waiter(async_engine))
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@
     serve_client.py `bench serve`: the same trace over HTTP against any OpenAI-compatible server
     cost_model.py   step time of a large model on a multi-GPU machine, from FLOPs and bytes
     simulate.py     `bench simulate`: the real scheduler and page allocator on a virtual clock
+    startup.py      `bench startup`: process start to first token of `orca-jax generate`, cold and warm caches
     cost_models/    the cost models' parameters, one TOML per machine and model (shipped)
     plots.py        the figure: median normalized latency against throughput, one curve per policy
     environment.py  machine, versions, memory, the command: what every JSON record states
