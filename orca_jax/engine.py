@@ -282,7 +282,7 @@ class LLMEngine:
         stop_str = detok.add_token(token)
         if stop_str is not None:
             return self._finish(seq, "stop", stop_str, detok)
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if seq.num_tokens >= self.scheduler.max_len(seq):  # max_tokens or max_model_len reached
             return self._finish(seq, "length", None, detok)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, detok: IncrementalDetokenizer) -> None:

@@ -89,6 +89,11 @@ def _convert_and_save(cache: ModelCache, path: Path, entry: Path, digest: str, d
     return loaded
 
 
+def _is_sha256(value) -> bool:
+    """A well-formed hex digest (a damaged index entry is rehashed, never trusted)."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def wait_for_saves(timeout: float | None = None) -> None:
     """Block until the cache entries being written have been written (tests, benchmarks)."""
     for thread in list(_pending_saves):
@@ -97,12 +102,16 @@ def wait_for_saves(timeout: float | None = None) -> None:
 
 def converter_fingerprint() -> str:
     """A digest of what decides the converted weights and tokenizer: the sources of the model
-    package (GGUF reading, tokenizer building, per-family conversion) and the library versions.
-    Any change there makes existing entries stale, so no one has to remember to bump a version."""
+    package (GGUF reading, tokenizer building, per-family conversion), of the config and
+    checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added later
+    would otherwise silently take its default) and the library versions. Any change there makes
+    existing entries stale, so no one has to remember to bump a version."""
     import orca_jax.models
 
+    package = Path(checkpoint.__file__).parent
+    sources = [*Path(orca_jax.models.__file__).parent.glob("*.py"), package / "config.py", package / "checkpoint.py"]
     digest = hashlib.sha256(f"checkpoint format {checkpoint.FORMAT_VERSION}".encode())
-    for source in sorted(Path(orca_jax.models.__file__).parent.glob("*.py")):
+    for source in sorted(sources):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     for name in _LIBRARIES:
         digest.update(f"{name}=={importlib.metadata.version(name)}".encode())
@@ -155,7 +164,8 @@ class ModelCache:
         key = str(path)
         index = self._read_index()
         known = index.get(key)
-        if isinstance(known, dict) and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
+        if (isinstance(known, dict) and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns
+                and _is_sha256(known.get("sha256"))):
             return known["sha256"]
         start = time.perf_counter()
         with open(path, "rb") as f:

@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orca_jax import parallel
+from orca_jax import checkpoint, parallel
 from orca_jax.batch import Batch, empty_batch
 from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
@@ -79,7 +79,8 @@ def model_step(model: nn.Module, max_logprobs: int, params, kv_cache, batch: Bat
 
 def to_device_consuming(tree: dict, dtype) -> dict:
     """Move a nested dict of numpy arrays to the device, dropping each host array as soon as
-    its copy exists (peak memory: one copy of the weights, not two)."""
+    its copy exists (peak memory: one copy of the weights, not two; on a first start from a
+    GGUF file the model cache's background save holds its own host copy until it is written)."""
     for key, value in tree.items():
         tree[key] = to_device_consuming(value, dtype) if isinstance(value, dict) else jnp.asarray(value, dtype)
     return tree
@@ -153,8 +154,7 @@ class ModelRunner:
         repeats = parallel.kv_head_repeats(model_config, tp)
         if not isinstance(params, dict):
             return params.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
-        params = parallel.replicate_kv_heads(params, repeats)
-        return parallel.place_params(params, parallel.param_shardings(params, self.mesh), self.dtype)
+        return checkpoint.place_host_params(params, self.dtype, self.mesh, repeats)
 
     def _put(self, tree):
         """Host arrays -> device arrays (replicated over the mesh, if any)."""

@@ -97,7 +97,7 @@ UNREPRESENTABLE = [
     ("top_p", math.nan), ("min_p", math.inf), ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
     ("repetition_penalty", 1e300), ("repetition_penalty", 1e-300), ("repetition_penalty", math.inf),
     ("max_tokens", True), ("top_k", False), ("n", True), ("logprobs", True), ("seed", True),
-    ("stop_token_ids", [True]), ("temperature", "1.0"),
+    ("stop_token_ids", [True]), ("temperature", "1.0"), ("temperature", 10**400), ("top_p", -10**400),
 ]
 
 

@@ -271,6 +271,23 @@ def test_a_damaged_index_only_costs_a_hash(tiny_gguf, tmp_path, parse_counter):
     json.loads((cache_dir / model_cache.INDEX_FILE).read_text())  # rewritten
 
 
+@pytest.mark.parametrize("bad_digest", [None, 12345, "not-a-digest", "0" * 63], ids=["missing", "int", "text", "short"])
+def test_a_damaged_index_entry_is_hashed_again_never_trusted(tiny_gguf, tmp_path, hash_counter, parse_counter,
+                                                             bad_digest):
+    cache_dir = tmp_path / "cache"
+    _first_load(tiny_gguf, cache_dir)
+    index_file = cache_dir / model_cache.INDEX_FILE
+    index = json.loads(index_file.read_text())
+    entry = index[str(tiny_gguf.absolute())]
+    if bad_digest is None:
+        del entry["sha256"]
+    else:
+        entry["sha256"] = bad_digest
+    index_file.write_text(json.dumps(index))
+    assert isinstance(load_model(tiny_gguf, cache_dir=cache_dir).params, model_cache.CachedCheckpoint)
+    assert len(hash_counter) == 2 and len(parse_counter) == 1
+
+
 # ---- damage, staleness, failures: rebuilt, never fatal ------------------------------------------
 def test_a_corrupt_marker_is_logged_and_rebuilt(tiny_gguf, tmp_path, parse_counter, caplog):
     cache_dir = tmp_path / "cache"
