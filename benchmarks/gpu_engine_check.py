@@ -17,6 +17,7 @@ engine, not the model's quality.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -82,8 +83,8 @@ def _write_byte_tokenizer(directory: Path) -> None:
 
 def check_parity(workdir: Path) -> dict:
     """Same engine batches on CPU and GPU; logits and greedy tokens must agree."""
-    from orca_jax.batch import build_batch
     from orca_jax.engine import LLMEngine
+    from orca_jax.runner import ModelRunner
     from orca_jax.sampling_params import SamplingParams
 
     path = write_random_checkpoint(workdir / "tiny", TINY, "float32")
@@ -92,19 +93,17 @@ def check_parity(workdir: Path) -> dict:
     for backend in ("cpu", "gpu"):
         with jax.default_device(jax.devices(backend)[0]), jax.default_matmul_precision("highest"):
             engine = LLMEngine(model=str(path), max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
-                               num_pages=64, max_model_len=128, warmup=False)
+                               num_pages=64, max_model_len=128, warmup=False,
+                               make_runner=functools.partial(ModelRunner, keep_logits=True))
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
             rows, tokens = [], {}
-            while engine.scheduler.has_unfinished():
-                scheduled = engine.scheduler.schedule()
-                logits = engine.runner.logits(build_batch(engine.config, scheduled))
-                rows.append(logits[: len(scheduled)])
-                new = logits.argmax(-1)[: len(scheduled)].tolist()
-                for seq in engine.scheduler.postprocess(scheduled, new):
-                    if len(seq.output_token_ids) >= 8:
-                        tokens[seq.request_id] = list(seq.output_token_ids)
-                        engine.scheduler.finish(seq, "length")
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        tokens[out.request_id] = list(out.outputs[0].token_ids)
+                step = engine.last_step
+                rows.append(step.output.logits[: len(step.scheduled)])
             logits_by_backend[backend], tokens_by_backend[backend] = np.concatenate(rows), tokens
     diff = float(np.abs(logits_by_backend["cpu"] - logits_by_backend["gpu"]).max())
     same = tokens_by_backend["cpu"] == tokens_by_backend["gpu"]

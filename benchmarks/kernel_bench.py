@@ -71,7 +71,10 @@ def copy_bandwidth_gbs(num_bytes: int = 4 << 30) -> float:
 # ------------------------------------------------------------------------------------------
 
 def make_step(seqs: list[tuple[int, int]], seed: int = 0, num_seq_slots: int | None = None):
-    """A step of sequences [(q_len, kv_len)] on a random-page cache: device arrays + bytes."""
+    """A step of sequences [(q_len, kv_len)] on a random-page cache: the attention arguments
+    (q, kv_pages, AttentionMetadata) on the device, and the bytes attention must move."""
+    from orca_jax.kernels.testing import ragged_metadata
+
     rng = np.random.default_rng(seed)
     pages_needed = [-(-kv // PAGE_SIZE) for _, kv in seqs]
     num_pages = 1 + sum(pages_needed)
@@ -85,19 +88,15 @@ def make_step(seqs: list[tuple[int, int]], seed: int = 0, num_seq_slots: int | N
         offset += n
     kv_lens = np.zeros(S, np.int32)
     kv_lens[: len(seqs)] = [kv for _, kv in seqs]
-    q_lens = [q for q, _ in seqs]
-    T = sum(q_lens)
-    cu_q_lens = np.full(S + 1, T, np.int32)
-    cu_q_lens[: len(seqs) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    T = sum(q for q, _ in seqs)
+    metadata = ragged_metadata(seqs, page_table, kv_lens, page_size=PAGE_SIZE, num_tokens=T)
     key = jax.random.key(seed)
     q = jax.random.normal(key, (T, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     kv_pages = jax.random.normal(jax.random.fold_in(key, 1), (num_pages, PAGE_SIZE, 2 * NUM_KV_HEADS, HEAD_DIM), DTYPE)
     itemsize = jnp.dtype(DTYPE).itemsize
     kv_bytes = sum(kv for _, kv in seqs) * 2 * NUM_KV_HEADS * HEAD_DIM * itemsize
     qo_bytes = 2 * T * NUM_Q_HEADS * HEAD_DIM * itemsize
-    arrays = (q, kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_table), jnp.asarray(cu_q_lens),
-              jnp.asarray([len(seqs)], jnp.int32))
-    return arrays, kv_bytes + qo_bytes
+    return (q, kv_pages, jax.tree.map(jnp.asarray, metadata)), kv_bytes + qo_bytes
 
 
 def decode_cases(quick: bool):
@@ -130,10 +129,10 @@ def reference_fn():
 
 def jax_paged_attention_args(arrays):
     """jax's decode kernel wants K and V as [K, P, page, D] and one query per sequence."""
-    q, kv_pages, kv_lens, page_table, _, _ = arrays
+    q, kv_pages, metadata = arrays
     k = jnp.transpose(kv_pages[:, :, 0::2], (2, 0, 1, 3))
     v = jnp.transpose(kv_pages[:, :, 1::2], (2, 0, 1, 3))
-    return q, k, v, page_table, kv_lens
+    return q, k, v, metadata.page_table, metadata.kv_lens
 
 
 def jax_paged_attention_fn(pages_per_seq: int):
@@ -155,11 +154,12 @@ def check_correctness() -> dict:
     for dtype, tol in ((np.float32, 1e-5), (jnp.bfloat16, 2e-2)):
         for mix, window, cap in (("mixed", None, None), ("chunked", 48, 20.0), ("decode", None, None)):
             case = make_case(5, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=dtype)
-            arrays = [jnp.asarray(a) for a in case.arrays]
+            q, kv_pages = jnp.asarray(case.q), jnp.asarray(case.kv_pages)
+            metadata = jax.tree.map(jnp.asarray, case.metadata)
             for splits in (1, 4):
                 with jax.default_matmul_precision("highest"):
-                    out = gpu.ragged_paged_attention(*arrays, sm_scale=0.125, sliding_window=window,
-                                                     soft_cap=cap, num_kv_splits=splits)
+                    out = gpu.ragged_paged_attention(q, kv_pages, metadata, sm_scale=0.125,
+                                                     sliding_window=window, soft_cap=cap, num_kv_splits=splits)
                 err = assert_matches_oracle(out, case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=tol)
                 errors[f"{jnp.dtype(dtype).name} {mix} w={window} cap={cap} splits={splits}"] = err
     return errors
@@ -175,7 +175,8 @@ def time_case(name, seqs, decode_only, copy_gbs, pallas, reference) -> dict:
     row["speedup_vs_reference"] = row["reference_ms"] / row["pallas_ms"]
     if decode_only:
         jax_args = jax_paged_attention_args(arrays)
-        row["jax_paged_attention_ms"] = median_ms(jax_paged_attention_fn(arrays[3].shape[1]), *jax_args)
+        pages_per_seq = arrays[2].page_table.shape[1]
+        row["jax_paged_attention_ms"] = median_ms(jax_paged_attention_fn(pages_per_seq), *jax_args)
     del arrays
     return row
 

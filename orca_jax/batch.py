@@ -1,7 +1,10 @@
 """Batch: everything one step needs from the host, as flat int/float arrays padded to buckets.
 
-Built in numpy once per step and handed to the jitted step as a pytree. Shapes depend only on
-the token bucket T (and through it the sequence bucket S), so each bucket is one program.
+Built in numpy once per step and handed to the jitted step as a pytree: the token ids, the
+attention metadata (`orca_jax.kernels.metadata.AttentionMetadata`, the ragged structure that
+RoPE, the KV write and attention read), the row of each sequence's last token, and the
+per-row sampling parameters. Shapes depend only on the token bucket T (and through it the
+sequence bucket S), so each bucket is one program.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import EngineConfig
+from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.scheduler import ScheduledBatch
 
@@ -50,12 +54,7 @@ class SamplingInputs:
 @dataclass(frozen=True)
 class Batch:
     input_ids: np.ndarray  # i32[T]
-    positions: np.ndarray  # i32[T]
-    slot_mapping: np.ndarray  # i32[T]: page * page_size + offset; padding -> page 0
-    page_table: np.ndarray  # i32[S, max_pages_per_seq]
-    kv_lens: np.ndarray  # i32[S]: cached tokens including this step's
-    cu_q_lens: np.ndarray  # i32[S + 1]
-    num_seqs: np.ndarray  # i32[1]
+    metadata: AttentionMetadata  # positions, slot mapping, page table, kv/query lengths
     logits_indices: np.ndarray  # i32[S]: row of each sequence's last scheduled token
     sampling: SamplingInputs
 
@@ -112,14 +111,17 @@ def build_batch(config: EngineConfig, scheduled: ScheduledBatch, bucket: int | N
         cu_q_lens[row + 1] = start
         logits_indices[row] = start - 1
 
-    return Batch(
-        input_ids=input_ids,
+    metadata = AttentionMetadata(
         positions=positions,
         slot_mapping=slot_mapping,
         page_table=page_table,
         kv_lens=kv_lens,
         cu_q_lens=cu_q_lens,
         num_seqs=np.array([len(scheduled)], np.int32),
+    )
+    return Batch(
+        input_ids=input_ids,
+        metadata=metadata,
         logits_indices=logits_indices,
         sampling=_sampling_inputs(config, scheduled, S),
     )

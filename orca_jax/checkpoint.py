@@ -1,5 +1,5 @@
-"""orbax checkpoints of converted weights: convert an HF directory or GGUF file once, then
-start from the checkpoint without reading or converting the original again.
+"""orbax checkpoints of converted weights: an HF directory or GGUF file converted once
+(`orca_jax.convert`), then started from without reading or converting the original again.
 
     OUT_DIR/
       orca_jax_checkpoint.json   marker: format version, ModelConfig, dtype, where it came from
@@ -20,19 +20,23 @@ saved uncompressed because restoring then takes half the time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from orca_jax import parallel
 from orca_jax.config import ModelConfig
+from orca_jax.models import abstract_variables, logical_specs
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,6 @@ FORMAT_VERSION = 1
 MARKER = "orca_jax_checkpoint.json"
 PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
-_KV_PROJECTIONS = ("layers/attn/k_proj/", "layers/attn/v_proj/")
 
 
 class CheckpointError(ValueError):
@@ -52,31 +55,6 @@ def is_checkpoint(path: Path) -> bool:
 
 
 # ---- writing ----------------------------------------------------------------------------------
-def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tensor_parallel_size: int = 1) -> dict:
-    """Load and convert `model` (HF directory, .gguf, hub id, None for the default) and save it
-    as an orbax checkpoint in `out_dir`, sharded over `tensor_parallel_size` devices when > 1
-    (so a model too large for one device never sits whole on one). Returns timings in seconds."""
-    from orca_jax.models.loader import load_model
-
-    if tensor_parallel_size < 1:
-        raise CheckpointError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CheckpointError(f"output directory {out_dir} exists and is not empty")
-    start = time.perf_counter()
-    loaded = load_model(model)
-    if is_checkpoint(Path(loaded.source)):
-        raise CheckpointError(f"{loaded.source} is already an orca_jax checkpoint")
-    params = _to_devices(loaded.params, jnp.dtype(dtype), loaded.config, tensor_parallel_size)
-    loaded.params = None
-    convert_s = time.perf_counter() - start
-    save_checkpoint(out_dir, params, loaded.tokenizer, loaded.config, dtype, loaded.source,
-                    tensor_parallel_size=tensor_parallel_size)
-    total_s = time.perf_counter() - start
-    logger.info("converted %s -> %s in %.1f s (saving %.1f s)", loaded.source, out_dir, total_s, total_s - convert_s)
-    return {"convert_s": convert_s, "total_s": total_s}
-
-
 def save_checkpoint(out_dir: str | Path, params: dict, tokenizer, config: ModelConfig, dtype: str, source: str, *,
                     tensor_parallel_size: int = 1, compress: bool = True, extra: dict | None = None) -> None:
     """Write a checkpoint directory from converted parameters (numpy or jax arrays, already in
@@ -101,22 +79,19 @@ def save_checkpoint(out_dir: str | Path, params: dict, tokenizer, config: ModelC
     }, indent=2))
 
 
-def place_host_params(params: dict, dtype, mesh: Mesh | None = None, kv_head_repeats: int = 1) -> dict:
+def place_host_params(params: dict, dtype, mesh: Mesh | None = None, kv_head_repeats: int = 1, *,
+                      config: ModelConfig | None = None) -> dict:
     """Host (numpy) parameters -> jax.Arrays in `dtype`, placed as the runner places converted
     weights: on the default device (uncommitted), or sharded over `mesh` with K/V heads repeated
-    `kv_head_repeats` times."""
+    `kv_head_repeats` times, each weight as the model of `config` declares it (needed with a
+    mesh). Consumes `params` on the sharded path."""
     if mesh is None:
         return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    params = parallel.replicate_kv_heads(params, kv_head_repeats)
-    return parallel.place_params(params, parallel.param_shardings(params, mesh), dtype)
-
-
-def _to_devices(params: dict, dtype, config: ModelConfig, tensor_parallel_size: int) -> dict:
-    if tensor_parallel_size == 1:
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    parallel.kv_head_repeats(config, tensor_parallel_size)  # refuse a size the model cannot run at
-    mesh = parallel.make_mesh(tensor_parallel_size)
-    return parallel.place_params(params, parallel.param_shardings(params, mesh), dtype)
+    if config is None:
+        raise ValueError("placing parameters on a mesh needs the model config (its weights declare their sharding)")
+    logical = logical_specs(config)
+    params = parallel.repeat_kv_heads(params, logical, kv_head_repeats)
+    return parallel.place_params(params, parallel.param_shardings(params, mesh, logical), dtype)
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -131,7 +106,8 @@ class Checkpoint:
 
     def restore(self, dtype=None, mesh: Mesh | None = None, kv_head_repeats: int = 1) -> dict:
         """The parameters as jax.Arrays in `dtype` (default: the saved one), on one device or
-        sharded over `mesh` by `parallel.param_spec`."""
+        sharded over `mesh` as the model declares them (`parallel.param_shardings`), K/V heads
+        repeated `kv_head_repeats` times."""
         import orbax.checkpoint as ocp
 
         dtype = jnp.dtype(dtype or self.dtype)
@@ -143,13 +119,13 @@ class Checkpoint:
                 # orbax versions differ in how they wrap the tree of array metadata.
                 saved = getattr(saved, "item_metadata", saved)
                 saved = getattr(saved, "tree", saved)
-                target = _restore_targets(saved, dtype, mesh, kv_head_repeats)
+                target = _restore_targets(saved, dtype, mesh, self.config, kv_head_repeats)
                 params = checkpointer.restore(params_dir, target)
         except Exception as exc:  # orbax, tensorstore and OS errors alike: name the checkpoint
             raise CheckpointError(f"could not restore orbax checkpoint {params_dir}: {type(exc).__name__}: {exc}") from exc
         _check_shapes(params, self.config, self.path)
         if kv_head_repeats > 1:
-            params = _repeat_kv_heads_on_device(params, mesh, kv_head_repeats)
+            params = _repeat_kv_heads_on_device(params, self.config, mesh, kv_head_repeats)
         logger.info("restored %s in %.2f s", params_dir, time.perf_counter() - start)
         return params
 
@@ -200,8 +176,14 @@ def load_tokenizer(checkpoint: Checkpoint):
 
 
 def model_config_from_dict(fields: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from its JSON form (lists back to the tuples it holds)."""
-    fields = dict(fields)
+    """ModelConfig from its JSON form (lists back to the tuples it holds). Keys that ModelConfig
+    no longer has are dropped: checkpoints written before a field was removed (such as
+    `bos_token_id`, which nothing read) still open."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    dropped = sorted(set(fields) - known)
+    if dropped:
+        logger.debug("checkpoint model config: ignoring fields this orca_jax does not have: %s", dropped)
+    fields = {name: value for name, value in fields.items() if name in known}
     if fields.get("rope_scaling") is not None:
         fields["rope_scaling"] = tuple(tuple(item) for item in fields["rope_scaling"])
     for name in ("rope_freq_factors", "eos_token_ids"):
@@ -210,54 +192,44 @@ def model_config_from_dict(fields: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _restore_targets(saved: dict, dtype, mesh: Mesh | None, kv_head_repeats: int) -> dict:
-    """Abstract arrays (shape, dtype, sharding) for orbax to restore into."""
-    one_device = SingleDeviceSharding(jax.local_devices()[0])
-    size = mesh.shape[parallel.MODEL_AXIS] if mesh is not None else 1
-
-    def target(path: str, leaf) -> jax.ShapeDtypeStruct:
-        shape = tuple(leaf.shape)
-        if mesh is None:
-            sharding = one_device
-        elif kv_head_repeats > 1 and path.startswith(_KV_PROJECTIONS):
-            sharding = parallel.replicated(mesh)  # repeated on device, then sharded
-        else:
-            sharding = NamedSharding(mesh, parallel.param_spec(path, shape, size))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    return {"params": parallel.map_with_path(target, saved["params"])}
+def _restore_targets(saved: dict, dtype, mesh: Mesh | None, config: ModelConfig, kv_head_repeats: int) -> dict:
+    """Abstract arrays (shape, dtype, sharding) for orbax to restore into. K/V weights that the
+    mesh repeats are restored whole, then repeated on device and sharded."""
+    if mesh is None:
+        one_device = SingleDeviceSharding(jax.local_devices()[0])
+        return {"params": parallel.map_with_path(
+            lambda _, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=one_device), saved["params"]
+        )}
+    shardings = parallel.tree_paths(
+        parallel.param_shardings(saved, mesh, logical_specs(config), whole_kv_heads=kv_head_repeats > 1)["params"]
+    )
+    return {"params": parallel.map_with_path(
+        lambda name, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=shardings[name]), saved["params"]
+    )}
 
 
 def _check_shapes(params: dict, config: ModelConfig, path: Path) -> None:
-    """The parameters fit the config in the marker (a mismatched params/ directory would
-    otherwise fail deep inside the first step)."""
-    tree = params["params"]
-    expected = {
-        "embed": (config.vocab_size, config.hidden_size),
-        "layers/attn/q_proj/kernel": (config.num_layers, config.hidden_size, config.num_heads, config.head_dim),
-        "layers/attn/k_proj/kernel": (config.num_layers, config.hidden_size, config.num_kv_heads, config.head_dim),
-    }
-    flat = parallel.tree_paths(tree)
-    for name, shape in expected.items():
-        if name not in flat or tuple(flat[name].shape) != shape:
-            got = tuple(flat[name].shape) if name in flat else "missing"
-            raise CheckpointError(f"checkpoint {path}: parameter {name} is {got}, the model config needs {shape}")
+    """The parameters are the tree that the model of the marker's config declares, shape for
+    shape (a mismatched params/ directory would otherwise fail deep inside the first step)."""
+    expected = parallel.tree_paths(nn.unbox(abstract_variables(config))["params"])
+    got = parallel.tree_paths(params["params"])
+    for name, leaf in expected.items():
+        shape = tuple(leaf.shape)
+        if name not in got or tuple(got[name].shape) != shape:
+            found = tuple(got[name].shape) if name in got else "missing"
+            raise CheckpointError(f"checkpoint {path}: parameter {name} is {found}, the model config needs {shape}")
+    for name in got.keys() - expected.keys():
+        raise CheckpointError(f"checkpoint {path}: parameter {name} is not one the model declares")
 
 
-def _repeat_kv_heads_on_device(params: dict, mesh: Mesh, repeats: int) -> dict:
-    """K/V projections restored whole -> heads repeated (as parallel.replicate_kv_heads does on
-    the host) and sharded over the mesh, in one jitted call."""
-    attn = params["params"]["layers"]["attn"]
-    size = mesh.shape[parallel.MODEL_AXIS]
-    for name in ("k_proj", "v_proj"):
-        for kind, head_axis in (("kernel", 2), ("bias", 1)):
-            if kind not in attn[name]:
-                continue
-            weight = attn[name][kind]
-            shape = list(weight.shape)
-            shape[head_axis] *= repeats
-            spec = parallel.param_spec(f"layers/attn/{name}/{kind}", tuple(shape), size)
-            attn[name][kind] = jax.jit(lambda w, axis=head_axis: jnp.repeat(w, repeats, axis=axis),
-                                       out_shardings=NamedSharding(mesh, spec))(weight)
-    return params
-
+def _repeat_kv_heads_on_device(params: dict, config: ModelConfig, mesh: Mesh, repeats: int) -> dict:
+    """K/V weights restored whole -> heads repeated by `parallel.repeat_kv_heads` (the host
+    path's function, here on device arrays) and sharded over the mesh, in one jitted call."""
+    logical = logical_specs(config)
+    repeat = functools.partial(parallel.repeat_kv_heads, logical=logical, repeats=repeats, xp=jnp)
+    shardings = parallel.param_shardings(jax.eval_shape(repeat, params), mesh, logical)
+    # Donated, so the weights that pass through unchanged keep their buffers (no copy). The
+    # whole K/V inputs change shape, so theirs cannot be reused, which jax would warn about.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return jax.jit(repeat, out_shardings=shardings, donate_argnums=0)(params)

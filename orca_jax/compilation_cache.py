@@ -1,8 +1,11 @@
 """JAX's persistent compilation cache, switched on once per process.
 
 With it, a second start loads each step program from disk (about 0.1 s) instead of compiling
-it (1.3-8 s on a 2-core CPU). The setting is process-wide in JAX, so it lives here, in one
-function the engine calls at start, rather than in an engine instance.
+it (1.3-8 s on a 2-core CPU). The setting is process-wide in JAX, so this module is the only
+place that touches it: `enable_compilation_cache` (explicit: point the process at a directory)
+and `configure_for_process`, through which an engine's `compilation_cache_dir` reaches the
+process once: the first engine's setting is applied, and a later engine that asks for another
+one is told the process keeps its cache, rather than switching it under engines already running.
 
 JAX skips caching programs that compiled in under a second or that serialize small; both
 thresholds are lowered to nothing here, because on a second start every program that is not
@@ -47,6 +50,21 @@ def enable_compilation_cache(path: str | Path) -> bool:
         jax_cache.reset_cache()
     logger.info("compilation cache: %s", directory)
     return True
+
+
+def configure_for_process(path: str | Path | None) -> str | None:
+    """An engine's `compilation_cache_dir`, applied to the process if it has no cache yet (None
+    asks for none). A cache already active stays, with a warning when the engine asked for
+    another directory or for none. Returns the directory in use afterwards (None: off)."""
+    active = active_cache_dir()
+    if active is None:
+        if path is not None and enable_compilation_cache(path):
+            return str(Path(path).expanduser())
+        return None
+    if path is None or str(Path(path).expanduser()) != active:
+        logger.warning("compilation cache: this process already uses %s (JAX's cache is process-wide); "
+                       "compilation_cache_dir=%s is not applied", active, path)
+    return active
 
 
 def active_cache_dir() -> str | None:

@@ -1,8 +1,10 @@
 """Engine and model configuration.
 
-`ModelConfig` describes a checkpoint's architecture (read from HF `config.json` or GGUF
-metadata). `EngineConfig` holds the serving knobs, with vLLM's names, and derives the shape
-buckets that bound how many programs XLA compiles.
+`ModelConfig` describes a checkpoint's architecture; each model family reads it from HF
+`config.json` itself (`orca_jax.models.config_from_hf`, which also checks the family and the
+activation against the registries there), GGUF metadata goes through the same parser
+(`orca_jax.models.loader.gguf_config`). `EngineConfig` holds the serving knobs, with vLLM's
+names, and derives the shape buckets that bound how many programs XLA compiles.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from orca_jax import kernels
 from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
 
 SCHEDULING_POLICIES = ("iteration", "request")
-ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+# "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
+ATTENTION_IMPLS = ("auto", *kernels.available_impls())
 DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only checkpoint. `model_type` picks the model family (see
-    `orca_jax.models.ARCHITECTURES`); the other fields are the knobs the families share."""
+    `orca_jax.models.ARCHITECTURES`, which also says which `model_type` and `hidden_act` values
+    exist); the other fields are the knobs the families share."""
 
     vocab_size: int
     hidden_size: int
@@ -50,7 +55,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     hidden_act: str = "silu"  # the MLP's activation, by its transformers name
     sliding_window: int | None = None
-    bos_token_id: int | None = None
+    # Attention scores capped as c * tanh(s / c) before the softmax (HF's name, Gemma 2's
+    # setting); no supported family's checkpoints set it, so only a config built in code does.
+    attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
 
@@ -59,145 +66,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
-                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
-            )
-
-    @property
-    def attention_bias(self) -> bool:
-        """HF's `attention_bias` (Llama, Qwen3): biases on all four attention projections."""
-        return self.qkv_bias and self.o_bias
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a transformers `config.json` dict. The family comes from `model_type`,
-        else from `architectures`, else Llama."""
-        model_type = _model_type_from_hf(cfg)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        fields = _gpt2_fields(cfg) if model_type == "gpt2" else _llama_family_fields(cfg, model_type)
-        return cls(**fields, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, model_type=model_type)
-
-
-# Families whose model is in `orca_jax.models` (the registry there must list the same ones).
-# Mistral, Qwen2 and Qwen3 are the Llama block with a few switches; GPT-2 is its own family.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-# transformers `architectures` names, for configs that lack `model_type`.
-_ARCHITECTURE_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "GPT2LMHeadModel": "gpt2",
-}
-# GPT-2's `gelu_new` and `gelu_pytorch_tanh` are the same tanh approximation.
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
-
-
-def _model_type_from_hf(cfg: dict[str, Any]) -> str:
-    model_type = cfg.get("model_type")
-    if model_type is None:
-        known = [_ARCHITECTURE_MODEL_TYPES[a] for a in cfg.get("architectures") or [] if a in _ARCHITECTURE_MODEL_TYPES]
-        model_type = known[0] if known else "llama"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return model_type
-
-
-def _llama_family_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Llama, Mistral, Qwen2, Qwen3: the same block, configured."""
-    num_heads = cfg["num_attention_heads"]
-    hidden = cfg["hidden_size"]
-    rope_theta, rope_scaling = _rope_from_hf(cfg)
-    attention_bias = cfg.get("attention_bias", False)
-    return dict(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or hidden // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        # Qwen2 always has Q, K, V biases and never an output bias (its config has no switch).
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type != "qwen2" and attention_bias,
-        mlp_bias=cfg.get("mlp_bias", False),
-        qk_norm=model_type == "qwen3",
-        hidden_act=cfg.get("hidden_act", "silu"),
-        sliding_window=_sliding_window_from_hf(cfg),
-    )
-
-
-def _sliding_window_from_hf(cfg: dict[str, Any]) -> int | None:
-    """The window every layer uses, or None. Qwen2/3 window only when `use_sliding_window` is
-    true, and then only layers from `max_window_layers` on (spelled out in `layer_types`);
-    Mistral windows every layer whenever `sliding_window` is set."""
-    window = cfg.get("sliding_window")
-    if window is None or not cfg.get("use_sliding_window", True):
-        return None
-    layer_types = cfg.get("layer_types")
-    if layer_types is None and "max_window_layers" in cfg:
-        layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
-                       for i in range(cfg["num_hidden_layers"])]
-    kinds = set(layer_types or ["sliding_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return window
-    # The layers run as one scan with one static window; a mix would need a window per layer.
-    raise ValueError(f"sliding window on some layers only (layer_types {sorted(kinds)}) is not supported")
-
-
-def _gpt2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """GPT-2: learned positions, LayerNorm, GELU MLP, multi-head attention with biases."""
-    if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
-        raise ValueError("GPT-2 attention scaled other than by 1/sqrt(head_dim) is not supported")
-    hidden, num_heads = cfg["n_embd"], cfg["n_head"]
-    return dict(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg.get("n_inner") or 4 * hidden,
-        num_layers=cfg["n_layer"],
-        num_heads=num_heads,
-        num_kv_heads=num_heads,
-        head_dim=hidden // num_heads,
-        rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        max_position_embeddings=cfg.get("n_positions", 1024),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
-        hidden_act=cfg.get("activation_function", "gelu_new"),
-    )
-
-
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, tuple | None]:
-    """Read RoPE settings from either the old (`rope_theta` + `rope_scaling`) or the new
-    (`rope_parameters`) transformers layout."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return float(theta), tuple((k, scaling[k]) for k in keys)
 
 
 def kv_pool_tokens(num_pages: int, page_size: int) -> int:

@@ -1,6 +1,7 @@
 """LLMEngine: the one host loop. Each `step()` is
 
-    schedule -> build_batch -> run the compiled step -> postprocess (tokens, stops, deltas)
+    run_step (orca_jax/step.py: schedule -> build_batch -> runner.execute -> scheduler.postprocess,
+    which appends tokens, applies the stop rules and retires) -> outputs (log-probs, text deltas)
 
 Requests enter with `add_request` (validated there, so a bad request fails alone, before it
 touches the scheduler) and leave when every sample has finished or on `abort`.
@@ -13,14 +14,14 @@ import ctypes
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
 from orca_jax import multihost, parallel
-from orca_jax.batch import build_batch
-from orca_jax.compilation_cache import active_cache_dir, enable_compilation_cache
+from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.errors import RequestError, check_unicode
@@ -32,8 +33,13 @@ from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import Scheduler
 from orca_jax.sequence import Sequence
+from orca_jax.step import EngineRunner, StepFailed, StepResult, recompute_running, run_step
 
 logger = logging.getLogger(__name__)
+
+# Seed offset between the n samples of one seeded request: 2**32 / golden ratio, odd, so the
+# n seeds are distinct mod 2**32 and spread over its range rather than adjacent.
+SAMPLE_SEED_STRIDE = 0x9E3779B9
 
 
 def release_free_host_memory() -> None:
@@ -63,11 +69,17 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True, **overrides):
+    """`make_runner` is the seam between the host loop and the device: called as
+    `make_runner(model_config, config, params, attention_impl, mesh, channel)`, it returns the
+    `EngineRunner` the engine steps (default: the compiled model, `ModelRunner`). Tests pass
+    `functools.partial(ModelRunner, keep_logits=True)` to see each step's logits in
+    `last_step.output`, or a wrapper to observe or fail batches."""
+
+    def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True,
+                 make_runner: Callable[..., EngineRunner] = ModelRunner, **overrides):
         started = time.perf_counter()
         config = config or EngineConfig(**overrides)
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
+        configure_for_process(config.compilation_cache_dir or None)
         loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir)
         loaded_at = time.perf_counter()
         self.model_config = loaded.config
@@ -86,7 +98,7 @@ class LLMEngine:
             # wait in their next collective until jax.distributed's heartbeat gives up).
             atexit.register(self.shutdown)
         params, loaded.params = loaded.params, None  # the runner takes the only reference
-        self.runner = ModelRunner(loaded.config, self.config, params, self.attention_impl, mesh, self.channel)
+        self.runner = make_runner(loaded.config, self.config, params, self.attention_impl, mesh, self.channel)
         del params
         # The runner lowers max_model_len to what the KV pool holds when it came from the model.
         self.config = self.runner.config
@@ -103,6 +115,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
         self.num_steps = 0
+        self.last_step: StepResult | None = None  # the latest model iteration (tests, introspection)
         # Seconds per start-up phase (and warm-up's program counts), for logs and `bench startup`.
         self.startup_timings: dict[str, float] = {
             "load_model_s": loaded_at - started,
@@ -222,7 +235,7 @@ class LLMEngine:
             return int(self._seed_rng.integers(0, 2**32))
         # Distinct, reproducible streams for the n samples of one seeded request (any integer
         # seed, negative or past 64 bits, folds into the 32 bits the step keys on).
-        return (params.seed + index * 0x9E3779B9) % 2**32
+        return (params.seed + index * SAMPLE_SEED_STRIDE) % 2**32
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages. Returns False if it is unknown or done."""
@@ -244,68 +257,70 @@ class LLMEngine:
         tokens, or finished."""
         touched = {r.request_id: r for r in self._finished_outside_step}
         self._finished_outside_step.clear()
-        scheduled = self.scheduler.schedule()
-        if scheduled:
+        try:
+            result = run_step(self.scheduler, self.runner, self.config, self._stop_rule)
+        except StepFailed as failure:  # one bad step must not take the engine down
+            result = None
             self.num_steps += 1
-            try:
-                out = self.runner.execute(build_batch(self.config, scheduled))
-            except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
-                for request in self._fail_step(scheduled, exc):
-                    touched[request.request_id] = request
-            else:
-                now = time.monotonic()
-                advanced = self.scheduler.postprocess(scheduled, out.tokens[: len(scheduled)].tolist())
-                rows = {id(seq): row for row, (seq, _) in enumerate(scheduled)}
-                for seq in advanced:
-                    self._on_new_token(seq, out, rows[id(seq)], now)
-                    touched[seq.request_id] = self.requests[seq.request_id]
+            for request in self._fail_step(failure):
+                touched[request.request_id] = request
+        if result is not None:
+            self.num_steps += 1
+            self.last_step = result
+            for request in self._record_new_tokens(result):
+                touched[request.request_id] = request
         outputs = [self._make_output(r) for r in touched.values()]
         for r in touched.values():
             if r.finished:
                 del self.requests[r.request_id]
         return outputs
 
-    def _on_new_token(self, seq: Sequence, out, row: int, now: float) -> None:
-        token = seq.output_token_ids[-1]
+    def _stop_rule(self, seq: Sequence, token: int):
+        """EOS, stop token ids, stop strings, in that order (the length limit is the
+        scheduler's). Feeds the token to the detokenizer, which finds stop strings."""
         params = seq.params
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if params.logprobs is not None:
-            top = {int(i): float(lp) for i, lp in zip(out.top_ids[row, : params.logprobs], out.top_logprobs[row, : params.logprobs])}
-            top[token] = float(out.logprobs[row])
-            seq.output_logprobs.append(top)
-        detok = self.requests[seq.request_id].detokenizers[seq.index]
         if not params.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop", None, detok)
+            return "stop", None
         if token in params.stop_token_ids:
-            return self._finish(seq, "stop", token, detok)
-        stop_str = detok.add_token(token)
+            return "stop", token
+        stop_str = self.requests[seq.request_id].detokenizers[seq.index].add_token(token)
         if stop_str is not None:
-            return self._finish(seq, "stop", stop_str, detok)
-        if seq.num_tokens >= self.scheduler.max_len(seq):  # max_tokens or max_model_len reached
-            return self._finish(seq, "length", None, detok)
+            return "stop", stop_str
+        return None
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason, detok: IncrementalDetokenizer) -> None:
-        if stop_reason is None or isinstance(stop_reason, int):
-            detok.flush()
-        seq.stop_reason = stop_reason
-        self.scheduler.finish(seq, reason)
+    def _record_new_tokens(self, result: StepResult) -> list[Request]:
+        """First-token times and log-probabilities of the sequences that got a token; the
+        held-back text of those that finished other than on a stop string is released."""
+        now, out, touched = time.monotonic(), result.output, []
+        for row, seq in result.advanced:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            k = seq.params.logprobs
+            if k is not None:
+                top = {int(i): float(lp) for i, lp in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])}
+                top[seq.output_token_ids[-1]] = float(out.logprobs[row])
+                seq.output_logprobs.append(top)
+            touched.append(self.requests[seq.request_id])
+        for seq in result.finished:
+            if not isinstance(seq.stop_reason, str):
+                self.requests[seq.request_id].detokenizers[seq.index].flush()
+        return touched
 
-    def _fail_step(self, scheduled, exc: Exception) -> list[Request]:
+    def _fail_step(self, failure: StepFailed) -> list[Request]:
         """A step raised: fail the requests in it, keep the others. The KV cache was donated to
         the failed call, so rebuild it and let every other running sequence recompute."""
-        logger.exception("step failed; aborting %d request(s) in it", len({s.request_id for s, _ in scheduled}))
+        scheduled = failure.scheduled
+        logger.error("step failed; aborting %d request(s) in it", len({s.request_id for s, _ in scheduled}),
+                     exc_info=failure.cause)
         failed = {seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled}
         for request in failed.values():
-            request.error = f"{type(exc).__name__}: {exc}"
+            request.error = str(failure)
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
-        if self.runner.kv_cache.is_deleted():
+        if self.runner.kv_cache_lost:
             self.runner.reset_kv_cache()
-            # Newest first: each preemption requeues at the front, so arrival order survives.
-            for seq in reversed(list(self.scheduler.running)):
-                self.scheduler.preempt(seq)
+            recompute_running(self.scheduler)
         return list(failed.values())
 
     def _make_output(self, request: Request) -> RequestOutput:

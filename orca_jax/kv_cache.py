@@ -24,10 +24,6 @@ logger = logging.getLogger(__name__)
 PADDING_PAGE = 0
 
 
-class OutOfPagesError(RuntimeError):
-    pass
-
-
 class PageAllocator:
     """Free list of KV pages. Pages are owned by one sequence at a time."""
 
@@ -58,8 +54,10 @@ class PageAllocator:
         return num_pages <= len(self._free)
 
     def allocate(self, num_pages: int) -> list[int]:
+        """Take `num_pages` free pages. Running short is the caller's bug, not a state of the
+        pool: the scheduler asks `can_allocate` (through `grow_to`) and preempts instead."""
         if num_pages > len(self._free):
-            raise OutOfPagesError(f"asked for {num_pages} pages, {len(self._free)} free")
+            raise ValueError(f"asked for {num_pages} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(num_pages)]
         for page in pages:
             self._is_free[page] = False

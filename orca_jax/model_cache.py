@@ -53,10 +53,13 @@ _LIBRARIES = ("gguf", "tokenizers", "transformers")  # their versions shape the 
 _pending_saves: list[threading.Thread] = []
 
 
-def load_gguf(path: Path, dtype: str, cache_dir: Path, convert: Callable[[Path], Any]):
-    """The converted model of the GGUF file `path` (a `loader.LoadedModel`): from the cache entry
-    for (file content, dtype) when there is a good one, else `convert(path)`, saved to the cache
-    in the background."""
+def load_gguf(path: Path, dtype: str, cache_dir: Path, convert: Callable[[Path], Any],
+              loaded_model: Callable[..., Any]):
+    """The converted model of the GGUF file `path`: from the cache entry for (file content,
+    dtype) when there is a good one, else `convert(path)`, saved to the cache in the background.
+    The loader passes its result type as `loaded_model` (`loader.LoadedModel`, called as
+    (config, params, tokenizer, source, timings) on a hit): the loader imports this module, so
+    this module does not import the loader."""
     if jax.process_count() > 1:
         return convert(path)
     cache = ModelCache(cache_dir)
@@ -71,11 +74,9 @@ def load_gguf(path: Path, dtype: str, cache_dir: Path, convert: Callable[[Path],
     hit = cache.open_entry(entry, digest, dtype, timings)
     if hit is not None:
         opened, tokenizer = hit
-        from orca_jax.models.loader import LoadedModel
-
         opened.timings = timings  # the same dict: the runner's restore adds its time to the model's
         opened.rebuild = lambda: _convert_and_save(cache, path, entry, digest, dtype, convert)
-        loaded = LoadedModel(opened.config, opened, tokenizer, str(path), timings)
+        loaded = loaded_model(opened.config, opened, tokenizer, str(path), timings)
         logger.info("model cache hit: %s (%s) in %s", path.name, dtype, entry)
         return loaded
     loaded = _convert_and_save(cache, path, entry, digest, dtype, convert)
@@ -101,21 +102,24 @@ def wait_for_saves(timeout: float | None = None) -> None:
 
 
 def converter_fingerprint() -> str:
-    """A digest of what decides the converted weights and tokenizer: the sources of the model
-    package (GGUF reading, tokenizer building, per-family conversion), of the config and
-    checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added later
-    would otherwise silently take its default) and the library versions. Any change there makes
-    existing entries stale, so no one has to remember to bump a version."""
-    import orca_jax.models
-
-    package = Path(checkpoint.__file__).parent
-    sources = [*Path(orca_jax.models.__file__).parent.glob("*.py"), package / "config.py", package / "checkpoint.py"]
+    """A digest of what decides the converted weights and tokenizer: the sources that
+    `fingerprint_sources` lists and the library versions. Any change there makes existing
+    entries stale, so no one has to remember to bump a version."""
     digest = hashlib.sha256(f"checkpoint format {checkpoint.FORMAT_VERSION}".encode())
-    for source in sorted(sources):
+    for source in fingerprint_sources():
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     for name in _LIBRARIES:
         digest.update(f"{name}=={importlib.metadata.version(name)}".encode())
     return digest.hexdigest()[:16]
+
+
+def fingerprint_sources() -> list[Path]:
+    """The model package (GGUF reading and its metadata mapping, tokenizer building, each
+    family's config parser and weight converter, all in orca_jax/models/*.py), and the config
+    and checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added
+    later would otherwise silently take its default)."""
+    package = Path(checkpoint.__file__).parent
+    return sorted([*(package / "models").glob("*.py"), package / "config.py", package / "checkpoint.py"])
 
 
 @dataclasses.dataclass
@@ -147,7 +151,7 @@ class CachedCheckpoint(Checkpoint):
             _remove_tree(self.path)
             loaded = self.rebuild()
             self.timings.update(loaded.timings)
-            params = checkpoint.place_host_params(loaded.params, dtype, mesh, kv_head_repeats)
+            params = checkpoint.place_host_params(loaded.params, dtype, mesh, kv_head_repeats, config=loaded.config)
         self.timings["cache_restore_s"] = time.perf_counter() - start
         return params
 

@@ -25,15 +25,24 @@ KV heads that do not divide by the mesh size: when the mesh size is a multiple o
 KV head is stored `tp / num_kv_heads` times (consecutive copies, so query head n still reads
 KV head n // group), one per device, as vLLM does; otherwise the configuration is refused.
 Query heads must divide by the mesh size.
+
+How a weight gets its sharding: the model declares each weight's logical axes where it
+creates it (`nn.with_logical_partitioning`: "vocab", "heads", "kv_heads", "mlp", "embed", ...;
+the layer scan puts "layers" in front), `orca_jax.models.logical_specs(config)` reads them off
+the model's abstract init once per config, and `LOGICAL_AXIS_RULES` maps each name to the mesh
+axis or to none. `param_shardings` applies them to any tree of the model's shape (a loader's
+numpy arrays, a checkpoint's metadata), so converted weights and restored checkpoints are
+placed by the same function; `repeat_kv_heads` finds the K/V weights by their "kv_heads" axis,
+on the host and on device alike. No parameter path is spelled here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -44,22 +53,22 @@ logger = logging.getLogger(__name__)
 
 MODEL_AXIS = "model"
 
-# Spec per parameter, by the path of its name in the Flax tree (without the leading
-# layer axis of the stacked "layers/..." parameters). Dimension names of each weight:
-# q/k/v kernel [D, heads, H], o kernel [heads, H, D], gate/up/fc [D, F], down/proj [F, D].
-_COLUMN_HEADS = (None, MODEL_AXIS, None)
-_SHARDING_RULES: tuple[tuple[str, tuple], ...] = (
-    (r"^embed$", (MODEL_AXIS, None)),  # [V, D]
-    (r"^lm_head$", (None, MODEL_AXIS)),  # [D, V]
-    (r"attn/[qkv]_proj/kernel$", _COLUMN_HEADS),
-    (r"attn/[qkv]_proj/bias$", (MODEL_AXIS, None)),  # [heads, H]
-    (r"attn/o_proj/kernel$", (MODEL_AXIS, None, None)),
-    (r"mlp/(gate_proj|up_proj|fc)/kernel$", (None, MODEL_AXIS)),
-    (r"mlp/(gate_proj|up_proj|fc)/bias$", (MODEL_AXIS,)),  # [F]
-    (r"mlp/(down_proj|proj)/kernel$", (MODEL_AXIS, None)),
+# Which logical axis of a weight is split over the mesh: the one table. Each weight names its
+# axes where the model declares it (`nn.with_logical_partitioning` in orca_jax/models/: the
+# `axes` of Einsum and of the norms, the embeddings' own), and the layer scan adds "layers" in
+# front of the stacked weights. A name absent from this table is an error, so a new family
+# with a new axis fails loudly instead of running unsharded.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", MODEL_AXIS),  # embedding [V, D], LM head [D, V]: vocabulary-parallel
+    ("heads", MODEL_AXIS),  # Q projection (column-parallel), attention output (row-parallel)
+    ("kv_heads", MODEL_AXIS),  # K, V projections (heads repeated first when fewer than devices)
+    ("mlp", MODEL_AXIS),  # the MLP's intermediate axis: gate/up/fc column-, down/proj row-parallel
+    ("embed", None),  # the hidden axis: whole on every device (norms, output biases)
+    ("head_dim", None),  # within a head (Q/K norms)
+    ("positions", None),  # GPT-2's learned position table (small)
+    ("layers", None),  # the stacked layer axis (pipeline stages would split this one)
 )
-# Everything else (norm scales, o_proj / down_proj biases, q/k norms, learned positions) is
-# replicated: an unmatched path gets P().
+KV_HEADS = "kv_heads"  # the axis that `repeat_kv_heads` repeats
 
 
 # ---- the mesh and the head layout ------------------------------------------------------------
@@ -112,37 +121,124 @@ def sharded_model_config(model: ModelConfig, tensor_parallel_size: int) -> Model
     return dataclasses.replace(model, num_kv_heads=model.num_kv_heads * repeats)
 
 
-def replicate_kv_heads(params: dict, repeats: int) -> dict:
-    """Repeat every K/V projection's heads `repeats` times, consecutively (numpy, in place):
-    head j becomes heads j*r .. j*r + r - 1, so query head n's KV head is still n // group."""
+def repeat_kv_heads(params: dict, logical: dict, repeats: int, xp=np) -> dict:
+    """Repeat the heads of every weight with a "kv_heads" axis (the K/V projections and their
+    biases, as the model declares them) `repeats` times, consecutively: head j becomes heads
+    j*r .. j*r + r - 1, so query head n's KV head is still n // group. The one place that knows
+    which weights hold KV heads and on which axis.
+
+    `xp` is the array module: numpy for host arrays (the default), jax.numpy for device arrays
+    (inside jit, see `checkpoint.Checkpoint.restore`). Works in place on the nested dicts of
+    `params` ({"params": ...}, the tree the model's init makes), so each replaced host array is
+    dropped; returns `params`. `logical`: the model's logical specs
+    (`orca_jax.models.logical_specs(config)`)."""
     if repeats == 1:
         return params
-    attn = params["params"]["layers"]["attn"]
-    for name in ("k_proj", "v_proj"):
-        weights = attn[name]
-        weights["kernel"] = np.repeat(weights["kernel"], repeats, axis=2)  # [L, D, K, H]
-        if "bias" in weights:
-            weights["bias"] = np.repeat(weights["bias"], repeats, axis=1)  # [L, K, H]
+    logical = logical["params"]
+
+    def repeat(tree: dict, specs: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                repeat(value, _declared(specs, key, name), f"{name}/")
+            elif (axis := kv_head_axis(_declared(specs, key, name))) is not None:
+                tree[key] = xp.repeat(value, repeats, axis=axis)
+
+    repeat(params["params"], logical, "")
     return params
 
 
+def kv_head_axis(logical: P) -> int | None:
+    """The axis of a weight's KV heads, from its logical axes (None: it has none)."""
+    names = tuple(logical)
+    return names.index(KV_HEADS) if KV_HEADS in names else None
+
+
 # ---- where each weight lives ---------------------------------------------------------------
-def param_spec(path: str, shape: tuple[int, ...], mesh_size: int) -> P:
-    """PartitionSpec of the parameter at `path` ("layers/attn/q_proj/kernel", "embed", ...).
-    Stacked layer parameters keep their leading layer axis unsharded. A dimension that does
-    not divide by the mesh size is not sharded (the weight is replicated instead)."""
-    stacked = path.startswith("layers/")
-    name = path.removeprefix("layers/")
-    for pattern, spec in _SHARDING_RULES:
-        if re.search(pattern, name):
-            full = ((None,) if stacked else ()) + spec
-            if len(full) != len(shape):
-                raise ValueError(f"parameter {path} of shape {shape} does not match its rule {spec}")
-            if any(axis == MODEL_AXIS and dim % mesh_size for axis, dim in zip(full, shape)):
-                logger.warning("parameter %s %s does not divide by %d devices: replicated", path, shape, mesh_size)
-                return P()
-            return P(*full)
-    return P()
+def logical_specs(variables: dict) -> dict:
+    """{"params": tree of PartitionSpecs of logical axis names}, read off a model's variables as
+    its init makes them (boxed, `nn.LogicallyPartitioned`; the abstract ones of
+    `jax.eval_shape` do). Raises ValueError naming a parameter that declares no logical axes,
+    declares a number of them other than its rank, or uses a name LOGICAL_AXIS_RULES lacks."""
+    rules = dict(LOGICAL_AXIS_RULES)
+
+    def spec(path, leaf) -> P:
+        name = "/".join(str(getattr(key, "key", key)) for key in path)
+        if not isinstance(leaf, nn.LogicallyPartitioned):
+            raise ValueError(
+                f"parameter {name} declares no logical axes: declare them with nn.with_logical_partitioning "
+                f"(or the `axes` of Einsum and the norms) so that parallel.LOGICAL_AXIS_RULES can place it"
+            )
+        names, shape = tuple(leaf.names), tuple(leaf.value.shape)
+        if len(names) != len(shape):
+            raise ValueError(f"parameter {name} of shape {shape} declares {len(names)} logical axes {names}")
+        unknown = [axis for axis in names if axis not in rules]
+        if unknown:
+            raise ValueError(
+                f"parameter {name} has logical axes {unknown} that parallel.LOGICAL_AXIS_RULES does not map "
+                f"(it maps {', '.join(rules)})"
+            )
+        return P(*names)
+
+    specs = jax.tree_util.tree_map_with_path(
+        spec, variables["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
+    return {"params": specs}
+
+
+def param_spec(name: str, logical: P, shape: tuple[int, ...], mesh_size: int) -> P:
+    """PartitionSpec of the parameter `name` (named in messages) from its logical axes, through
+    LOGICAL_AXIS_RULES. A weight with a split axis that does not divide by the mesh size is
+    replicated instead (with a warning), and so is one without a split axis: P()."""
+    rules = dict(LOGICAL_AXIS_RULES)
+    if len(logical) != len(shape):
+        raise ValueError(f"parameter {name} of shape {shape} does not match its logical axes {logical}")
+    axes = tuple(rules[axis] for axis in logical)
+    split = [axis for axis in axes if axis is not None]
+    if len(split) != len(set(split)):
+        raise ValueError(f"parameter {name}: logical axes {logical} put one mesh axis on two dimensions")
+    if not split:
+        return P()
+    if any(axis is not None and dim % mesh_size for axis, dim in zip(axes, shape)):
+        logger.warning("parameter %s %s does not divide by %d devices: replicated", name, shape, mesh_size)
+        return P()
+    return P(*axes)
+
+
+def param_specs(params: dict, logical: dict, mesh_size: int, *, whole_kv_heads: bool = False) -> dict:
+    """PartitionSpec of every leaf of a {"params": ...} tree whose leaves need only `.shape`
+    (a loader's numpy arrays, orbax's metadata of a checkpoint, abstract arrays), from the
+    logical axes the model declares (`logical`: `orca_jax.models.logical_specs(config)`).
+    `whole_kv_heads`: weights with KV heads stay whole (P()), to be repeated on device and
+    sharded afterwards."""
+    logical = logical["params"]
+
+    def spec(name: str, leaf) -> P:
+        declared = _declared_at(logical, name)
+        if whole_kv_heads and kv_head_axis(declared) is not None:
+            return P()
+        return param_spec(name, declared, tuple(leaf.shape), mesh_size)
+
+    return {"params": map_with_path(spec, params["params"])}
+
+
+def param_shardings(params: dict, mesh: Mesh, logical: dict, *, whole_kv_heads: bool = False) -> dict:
+    """NamedSharding of every leaf of a {"params": ...} tree (see `param_specs`)."""
+    specs = param_specs(params, logical, mesh.shape[MODEL_AXIS], whole_kv_heads=whole_kv_heads)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def _declared_at(logical: dict, name: str) -> P:
+    node = logical
+    for key in name.split("/"):
+        node = _declared(node, key, name)
+    return node
+
+
+def _declared(specs, key: str, name: str):
+    if not isinstance(specs, dict) or key not in specs:
+        raise ValueError(f"parameter {name} is not one the model declares")
+    return specs[key]
 
 
 def tree_paths(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -161,14 +257,6 @@ def map_with_path(fn: Callable[[str, Any], Any], tree: dict, prefix: str = "") -
         else fn(f"{prefix}/{key}" if prefix else key, value)
         for key, value in tree.items()
     }
-
-
-def param_shardings(params: dict, mesh: Mesh) -> dict:
-    """NamedSharding for every leaf of a {"params": ...} tree (leaves need only `.shape`)."""
-    size = mesh.shape[MODEL_AXIS]
-    return {"params": map_with_path(
-        lambda path, leaf: NamedSharding(mesh, param_spec(path, tuple(leaf.shape), size)), params["params"]
-    )}
 
 
 def place_params(params: dict, shardings: dict, dtype) -> dict:

@@ -1,6 +1,6 @@
 """The jitted model step and its ahead-of-time compiled programs, one per token bucket.
 
-    step(params, kv_cache, batch, inv_freq) -> (kv_cache, SampleOutput)
+    step(params, kv_cache, batch) -> (kv_cache, SampleOutput)
 
 Everything the step reads is an argument; the KV cache is donated so XLA updates it in place.
 Programs are built ahead of time, one per token bucket (`jit(...).lower(...).compile()`, which
@@ -11,6 +11,7 @@ executables, so a shape outside the buckets is an error, never a silent recompil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -32,7 +33,6 @@ from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
-from orca_jax.models.layers import AttentionInputs, rope_inv_freq
 from orca_jax.sampling import SampleOutput, sample
 
 logger = logging.getLogger(__name__)
@@ -58,23 +58,13 @@ def compile_workers(num_programs: int) -> int:
     return max(1, min(num_programs, cores // CORES_PER_COMPILE))
 
 
-def forward(model: nn.Module, params, kv_cache, batch: Batch, inv_freq):
-    """The model on one batch: (logits f32[S, V], updated kv_cache)."""
-    inputs = AttentionInputs(
-        positions=batch.positions,
-        slot_mapping=batch.slot_mapping,
-        page_table=batch.page_table,
-        kv_lens=batch.kv_lens,
-        cu_q_lens=batch.cu_q_lens,
-        num_seqs=batch.num_seqs,
-        inv_freq=inv_freq,
-    )
-    return model.apply(params, batch.input_ids, kv_cache, inputs, batch.logits_indices)
-
-
-def model_step(model: nn.Module, max_logprobs: int, params, kv_cache, batch: Batch, inv_freq):
-    logits, kv_cache = forward(model, params, kv_cache, batch, inv_freq)
-    return kv_cache, sample(logits, batch.sampling, max_logprobs)
+def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, params, kv_cache, batch: Batch):
+    """The model on one batch, then sampling: (updated kv_cache, SampleOutput)."""
+    logits, kv_cache = model.apply(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)
+    out = sample(logits, batch.sampling, max_logprobs)
+    if keep_logits:  # tests and debugging: the rows sampling saw, in the same program
+        out = dataclasses.replace(out, logits=logits)
+    return kv_cache, out
 
 
 def to_device_consuming(tree: dict, dtype) -> dict:
@@ -94,10 +84,15 @@ class ModelRunner:
     single-device path exactly as it is. `params` is the converted weights as numpy
     ({"params": ...}) or a restorable checkpoint (`orca_jax.checkpoint.Checkpoint`), which
     restores straight into the shardings. `channel` (multi-host leader): every batch is
-    handed to the other processes before it runs, so they run the same program."""
+    handed to the other processes before it runs, so they run the same program.
+    `keep_logits`: each step also returns the logits it sampled from (`SampleOutput.logits`,
+    f32[S, V]), for tests and debugging; serving leaves it off (the copy costs S x V floats).
+
+    This is the engine's runner (`orca_jax.step.EngineRunner`); anything with that interface
+    can stand in for it (`LLMEngine(make_runner=...)`)."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str,
-                 mesh: Mesh | None = None, channel=None):
+                 mesh: Mesh | None = None, channel=None, *, keep_logits: bool = False):
         self.config = config
         self.mesh = mesh
         self.channel = channel
@@ -123,26 +118,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
-        # Every family takes the RoPE frequencies, so the step has one signature; GPT-2 (learned
-        # positions) ignores them.
-        self.inv_freq = self._put(np.asarray(rope_inv_freq(
-            model_config.head_dim, model_config.rope_theta, model_config.rope_scaling_dict,
-            model_config.rope_freq_factors,
-        )))
-        step = functools.partial(model_step, self.model, config.max_logprobs)
-        fwd = functools.partial(forward, self.model)
+        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits)
         if mesh is None:
             self._step = jax.jit(step, donate_argnames=("kv_cache",))
-            self._forward = jax.jit(fwd, donate_argnames=("kv_cache",))
         else:
             replicated = parallel.replicated(mesh)
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            inputs = (param_shardings, self.kv_sharding, replicated, replicated)
             # out cache sharding == in cache sharding, so the donated buffer is reused in place.
-            self._step = jax.jit(step, in_shardings=inputs, out_shardings=(self.kv_sharding, replicated),
-                                 donate_argnames=("kv_cache",))
-            self._forward = jax.jit(fwd, in_shardings=inputs, out_shardings=(replicated, self.kv_sharding),
-                                    donate_argnames=("kv_cache",))
+            self._step = jax.jit(step, in_shardings=(param_shardings, self.kv_sharding, replicated),
+                                 out_shardings=(self.kv_sharding, replicated), donate_argnames=("kv_cache",))
         self._programs: dict[int, jax.stages.Compiled] = {}
         self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
 
@@ -154,13 +138,18 @@ class ModelRunner:
         repeats = parallel.kv_head_repeats(model_config, tp)
         if not isinstance(params, dict):
             return params.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
-        return checkpoint.place_host_params(params, self.dtype, self.mesh, repeats)
+        return checkpoint.place_host_params(params, self.dtype, self.mesh, repeats, config=model_config)
 
     def _put(self, tree):
         """Host arrays -> device arrays (replicated over the mesh, if any)."""
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, tree)
         return parallel.put_replicated(tree, self.mesh)
+
+    @property
+    def kv_cache_lost(self) -> bool:
+        """True after a failed step consumed the donated cache (then `reset_kv_cache`)."""
+        return self.kv_cache.is_deleted()
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed cache (at start-up, and after a failed step consumed the donated one)."""
@@ -197,7 +186,7 @@ class ModelRunner:
     def _lower(self, bucket: int) -> jax.stages.Lowered:
         if bucket not in self.config.token_buckets:
             raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
-        return self._step.lower(self.params, self.kv_cache, empty_batch(self.config, bucket), self.inv_freq)
+        return self._step.lower(self.params, self.kv_cache, empty_batch(self.config, bucket))
 
     def _program(self, batch: Batch) -> jax.stages.Compiled:
         bucket = batch.num_tokens
@@ -206,12 +195,6 @@ class ModelRunner:
             self._programs[bucket] = self._lower(bucket).compile()
             self.first_use_build_s[bucket] = time.perf_counter() - start
         return self._programs[bucket]
-
-    def logits(self, batch: Batch) -> np.ndarray:
-        """Run the model on a batch and return its logits f32[S, V], updating the cache like a
-        step does. For tests and debugging: compiled on first use, not part of serving."""
-        logits, self.kv_cache = self._forward(self.params, self.kv_cache, self._batch(batch), self.inv_freq)
-        return _to_host(logits)
 
     def execute(self, batch: Batch) -> SampleOutput:
         """Run one step; returns the sampled tokens (and log-probs) as host numpy arrays. A
@@ -223,7 +206,7 @@ class ModelRunner:
     def run(self, batch: Batch) -> SampleOutput:
         """Run one step of this process's part (followers call this directly)."""
         program = self._program(batch)
-        self.kv_cache, out = program(self.params, self.kv_cache, self._batch(batch), self.inv_freq)
+        self.kv_cache, out = program(self.params, self.kv_cache, self._batch(batch))
         return jax.tree.map(_to_host, out)
 
     def _batch(self, batch: Batch) -> Batch:

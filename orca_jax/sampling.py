@@ -25,10 +25,12 @@ class SampleOutput:
     logprobs: jax.Array  # f32[S]: log-probability of the sampled token (raw model distribution)
     top_ids: jax.Array  # i32[S, K]
     top_logprobs: jax.Array  # f32[S, K]
+    # f32[S, V], the logits sampled from: only from a runner built with keep_logits (tests).
+    logits: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
-    SampleOutput, data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"], meta_fields=[]
+    SampleOutput, data_fields=["tokens", "logprobs", "top_ids", "top_logprobs", "logits"], meta_fields=[]
 )
 
 

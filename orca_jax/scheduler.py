@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from orca_jax.config import EngineConfig
 from orca_jax.kv_cache import PageAllocator
@@ -145,13 +147,35 @@ class Scheduler:
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
 
     # ---- after the step ------------------------------------------------------------------------
-    def postprocess(self, scheduled: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance cached-token counts; append the sampled token to every sequence whose
-        scheduled tokens reached its end. Returns those sequences."""
-        advanced = []
-        for (seq, n_new), token in zip(scheduled, sampled):
+    def postprocess(self, scheduled: ScheduledBatch, sampled, stop_rule: StopRule | None = None) -> StepUpdate:
+        """The one postprocess of a step: advance each sequence's cached-token count; append the
+        sampled token (row i of `sampled` is scheduled[i]) to every sequence whose scheduled
+        tokens reached its end; retire those that stop: `stop_rule(seq, token)` first (EOS,
+        stop tokens and strings: the engine's), then the length limit (`max_len`)."""
+        update = StepUpdate()
+        for row, (seq, n_new) in enumerate(scheduled):
             seq.num_computed_tokens += n_new
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(int(token))
-                advanced.append(seq)
-        return advanced
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk short of the prompt's end: no token yet
+            token = int(sampled[row])
+            seq.output_token_ids.append(token)
+            update.advanced.append((row, seq))
+            stop = stop_rule(seq, token) if stop_rule is not None else None
+            if stop is None and seq.num_tokens >= self.max_len(seq):  # max_tokens or max_model_len
+                stop = ("length", None)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = stop
+                self.finish(seq, stop[0])
+                update.finished.append(seq)
+        return update
+
+
+# (finish reason, stop reason) of a sequence that stops on `token`, or None to go on. The
+# reason is "stop" or "length"; the stop reason the stop token id or string, else None.
+StopRule = Callable[[Sequence, int], "tuple[str, int | str | None] | None"]
+
+
+@dataclass
+class StepUpdate:
+    advanced: list[tuple[int, Sequence]] = field(default_factory=list)  # (row, sequence) that got a token
+    finished: list[Sequence] = field(default_factory=list)  # retired by this step, pages freed

@@ -198,16 +198,26 @@ class _HFLastLogits:
         return self.cache[key]
 
 
+def logits_engine(**settings):
+    """An LLMEngine whose steps also return their logits (`engine.last_step.output.logits`):
+    the runner seam with `keep_logits`, one compiled program per bucket as in serving."""
+    import functools
+
+    from orca_jax.engine import LLMEngine
+    from orca_jax.runner import ModelRunner
+
+    return LLMEngine(make_runner=functools.partial(ModelRunner, keep_logits=True), **settings)
+
+
 def drive_engine_against_hf(engine, hf_model, rng, prompt_lengths=(5, 23, 12, 37), late_prompt_length=9,
                             max_tokens=5) -> dict:
-    """Drive an LLMEngine by hand (schedule -> build_batch -> runner.logits -> postprocess) and
-    compare every row that produces a next token with HF's last-position logits on the same
-    full token sequence. With a small token budget the long prompts are chunk-prefilled while
-    the short ones decode, and one request arrives late, joining a running batch. Returns
-    stats, with `max_diff` the largest absolute logit difference."""
+    """Step an engine built by `logits_engine` and compare every row that produces a next
+    token with HF's last-position logits on the same full token sequence. With a small token
+    budget the long prompts are chunk-prefilled while the short ones decode, and one request
+    arrives late, joining a running batch. Returns stats, with `max_diff` the largest absolute
+    logit difference."""
     import numpy as np
 
-    import orca_jax.batch
     from orca_jax import SamplingParams
 
     vocab = engine.model_config.vocab_size
@@ -221,31 +231,30 @@ def drive_engine_against_hf(engine, hf_model, rng, prompt_lengths=(5, 23, 12, 37
 
     diffs: list[float] = []
     stats = dict(steps=0, mixed_steps=0, partial_prefill_rows=0, compared_rows=0)
-    scheduler = engine.scheduler
-    while scheduler.has_unfinished():
+    while engine.has_unfinished_requests():
         if stats["steps"] == 3:
             engine.add_request("late", late_prompt, params)
             seqs.append(engine.requests["late"].seqs[0])
-        sched = scheduler.schedule()
-        assert sched, "scheduler returned an empty step while requests are unfinished"
-        batch = orca_jax.batch.build_batch(engine.config, sched)
-        logits = engine.runner.logits(batch)
-        assert logits.dtype == np.float32 and logits.shape[1] == vocab and logits.shape[0] >= len(sched)
+        steps_before = engine.num_steps
+        engine.step()
+        assert engine.num_steps == steps_before + 1, "an empty step while requests are unfinished"
+        step = engine.last_step
+        logits = step.output.logits
+        assert logits.dtype == np.float32 and logits.shape[1] == vocab and logits.shape[0] >= len(step.scheduled)
+        got_token = {row for row, _ in step.advanced}
         kinds = set()
-        for row, (seq, n) in enumerate(sched):
-            kinds.add("decode" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill")
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                ref = hf_last(seq.prompt_token_ids + seq.output_token_ids)
+        for row, (seq, n) in enumerate(step.scheduled):
+            cached_before = seq.num_computed_tokens - n  # the step has advanced it
+            kinds.add("decode" if cached_before >= seq.num_prompt_tokens else "prefill")
+            if row in got_token:
+                ref = hf_last(seq.prompt_token_ids + seq.output_token_ids[:-1])
                 diffs.append(float(np.abs(logits[row] - ref).max()))
+                assert seq.output_token_ids[-1] == int(np.argmax(logits[row])), "greedy = argmax of the logits"
                 stats["compared_rows"] += 1
             else:
                 stats["partial_prefill_rows"] += 1
         stats["steps"] += 1
         stats["mixed_steps"] += kinds == {"decode", "prefill"}
-        tokens = logits[: len(sched)].argmax(axis=-1).tolist()
-        for seq in scheduler.postprocess(sched, tokens):
-            if len(seq.output_token_ids) >= max_tokens:
-                scheduler.finish(seq, "length")
 
     # The run exercised what it is meant to exercise.
     assert all(len(s.output_token_ids) == max_tokens for s in seqs)
@@ -282,6 +291,12 @@ def assert_greedy_matches_hf_generate(llm, hf_model, prompts, num_new: int) -> N
 def greedy_matches_hf():
     """`assert_greedy_matches_hf_generate(llm, hf_model, prompts, num_new)` for model tests."""
     return assert_greedy_matches_hf_generate
+
+
+@pytest.fixture(scope="session")
+def make_logits_engine():
+    """`make_logits_engine(**settings)`: see `logits_engine`."""
+    return logits_engine
 
 
 @pytest.fixture(scope="session")
@@ -366,37 +381,16 @@ def serve_in_thread():
     return serve
 
 
-def _model_init_shapes(config, num_pages=4, page_size=8, T=8, S=2, max_pages=4):
-    """Parameter shapes of the family's model, as its init produces them (no weights made)."""
-    import jax
-    import jax.numpy as jnp
-
-    from orca_jax.models import architecture
-    from orca_jax.models.layers import AttentionInputs
-
-    model = architecture(config.model_type).model_class(config)
-    inputs = AttentionInputs(
-        positions=jnp.zeros(T, jnp.int32),
-        slot_mapping=jnp.zeros(T, jnp.int32),
-        page_table=jnp.zeros((S, max_pages), jnp.int32),
-        kv_lens=jnp.zeros(S, jnp.int32),
-        cu_q_lens=jnp.zeros(S + 1, jnp.int32),
-        num_seqs=jnp.zeros(1, jnp.int32),
-        inv_freq=jnp.zeros(config.head_dim // 2, jnp.float32),
-    )
-    kv_cache = jnp.zeros((config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim))
-    return jax.eval_shape(
-        model.init, jax.random.key(0), jnp.zeros(T, jnp.int32), kv_cache, inputs, jnp.zeros(S, jnp.int32)
-    )
-
-
 def check_tree_matches_model_init(loaded) -> None:
     """The loader's parameter tree is exactly (structure, shapes, dtypes) what the model's
     init produces for the loaded config."""
+    import flax.linen as nn
     import jax
     import numpy as np
 
-    expected = _model_init_shapes(loaded.config)
+    from orca_jax.models import abstract_variables
+
+    expected = nn.unbox(abstract_variables(loaded.config))  # init's tree without the logical axes
     got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), loaded.params)
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     mismatched = [

@@ -12,6 +12,7 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -20,12 +21,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.batch import build_batch  # noqa: E402
 from orca_jax.engine import LLMEngine  # noqa: E402
+from orca_jax.runner import ModelRunner  # noqa: E402
 
-# One token bucket (16) and no warm-up: two programs per engine (logits and step).
+# One token bucket (16) and no warm-up: one program per engine, its step keeping the logits.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,
-              max_model_len=128, warmup=False)
+              max_model_len=128, warmup=False, make_runner=functools.partial(ModelRunner, keep_logits=True))
 PROMPT_LENGTHS = (5, 19, 11)  # 19 > 16: chunked prefill next to decodes
 
 
@@ -35,21 +36,16 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def drive_logits(engine: LLMEngine, max_tokens: int = 4) -> tuple[list[np.ndarray], list[list[int]]]:
-    """Greedy generation driven by hand through runner.logits: every step's logits rows of the
-    scheduled sequences, and the tokens generated."""
+    """Greedy generation through engine.step(): every step's logits rows of the scheduled
+    sequences (the engine's runner keeps them), and the tokens generated."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts(engine.model_config.vocab_size)):
         engine.add_request(f"r{i}", p, params)
     seqs = [engine.requests[f"r{i}"].seqs[0] for i in range(len(PROMPT_LENGTHS))]
-    scheduler, steps = engine.scheduler, []
-    while scheduler.has_unfinished():
-        scheduled = scheduler.schedule()
-        logits = engine.runner.logits(build_batch(engine.config, scheduled))[: len(scheduled)]
-        steps.append(logits)
-        for seq in scheduler.postprocess(scheduled, logits.argmax(-1).tolist()):
-            if len(seq.output_token_ids) >= max_tokens:
-                scheduler.finish(seq, "length")
-    engine.requests.clear()
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step.output.logits[: len(engine.last_step.scheduled)])
     return steps, [list(s.output_token_ids) for s in seqs]
 
 
@@ -124,6 +120,8 @@ def checkpoint_run(hf_dir: str, ckpt_dir: str, out_dir: str) -> dict:
     """A checkpoint converted on one device, restored onto meshes of 2 and 4 (KV heads
     replicated 2x at 4); and one converted sharded over 4 devices, restored on one."""
     from orca_jax import checkpoint, parallel
+    from orca_jax.convert import convert
+    from orca_jax.models import logical_specs
     from orca_jax.models.loader import load_model
 
     def equal(restored, expected) -> bool:
@@ -136,7 +134,7 @@ def checkpoint_run(hf_dir: str, ckpt_dir: str, out_dir: str) -> dict:
     for tp in (2, 4):
         repeats = parallel.kv_head_repeats(loaded.config, tp)
         restored = opened.restore("float32", parallel.make_mesh(tp), kv_head_repeats=repeats)
-        expected = parallel.replicate_kv_heads(jax.tree.map(np.copy, loaded.params), repeats)
+        expected = parallel.repeat_kv_heads(jax.tree.map(np.copy, loaded.params), logical_specs(loaded.config), repeats)
         attn = restored["params"]["layers"]["attn"]
         out[str(tp)] = {
             "equal": equal(restored, expected),
@@ -145,7 +143,7 @@ def checkpoint_run(hf_dir: str, ckpt_dir: str, out_dir: str) -> dict:
             "k_shard_shape": list(attn["k_proj"]["kernel"].addressable_shards[0].data.shape),
             "devices": len(attn["q_proj"]["kernel"].sharding.device_set),
         }
-    checkpoint.convert(hf_dir, out_dir, tensor_parallel_size=4)
+    convert(hf_dir, out_dir, tensor_parallel_size=4)
     out["sharded_save_restored_whole_equal"] = equal(checkpoint.open_checkpoint(out_dir).restore(), loaded.params)
     # The engine on the checkpoint at tensor_parallel_size 4 generates what the HF directory
     # does on one device.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -60,30 +62,31 @@ def test_mixed_batch_metadata():
     assert batch.num_tokens == 16 == token_bucket(config, 12), "12 tokens go to the 16 bucket"
     np.testing.assert_array_equal(
         batch.input_ids[:12], [17, 100, 101, 102, 103, 104, 105, 204, 205, 206, 207, 208])
-    np.testing.assert_array_equal(batch.positions[:12], [6, 0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(batch.metadata.positions[:12], [6, 0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8])
     expected_slots = [
         7 * 4 + 2,  # A pos 6 -> page_ids[1] = 7, offset 2
         2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1,  # B pos 0..5
         6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3, 8 * 4 + 0,  # C pos 4..8
     ]
-    np.testing.assert_array_equal(batch.slot_mapping[:12], expected_slots)
+    np.testing.assert_array_equal(batch.metadata.slot_mapping[:12], expected_slots)
     # Padding tokens write only into the padding page.
-    pad = batch.slot_mapping[12:]
+    pad = batch.metadata.slot_mapping[12:]
     assert np.all(pad // config.page_size == PADDING_PAGE), pad
 
     S = config.seq_bucket(16)
-    assert batch.page_table.shape == (S, config.max_pages_per_seq) == (4, 16)
-    np.testing.assert_array_equal(batch.page_table[0, :3], [3, 7, 0])
-    np.testing.assert_array_equal(batch.page_table[1, :3], [2, 5, 0])
-    np.testing.assert_array_equal(batch.page_table[2, :4], [4, 6, 8, 0])
-    assert np.all(batch.page_table[0, 2:] == PADDING_PAGE) and np.all(batch.page_table[3] == PADDING_PAGE)
-    np.testing.assert_array_equal(batch.kv_lens, [7, 6, 9, 0])
-    np.testing.assert_array_equal(batch.cu_q_lens, [0, 1, 7, 12, 12])
-    np.testing.assert_array_equal(batch.num_seqs, [3])
+    assert batch.metadata.page_table.shape == (S, config.max_pages_per_seq) == (4, 16)
+    np.testing.assert_array_equal(batch.metadata.page_table[0, :3], [3, 7, 0])
+    np.testing.assert_array_equal(batch.metadata.page_table[1, :3], [2, 5, 0])
+    np.testing.assert_array_equal(batch.metadata.page_table[2, :4], [4, 6, 8, 0])
+    assert np.all(batch.metadata.page_table[0, 2:] == PADDING_PAGE) and np.all(batch.metadata.page_table[3] == PADDING_PAGE)
+    np.testing.assert_array_equal(batch.metadata.kv_lens, [7, 6, 9, 0])
+    np.testing.assert_array_equal(batch.metadata.cu_q_lens, [0, 1, 7, 12, 12])
+    np.testing.assert_array_equal(batch.metadata.num_seqs, [3])
     np.testing.assert_array_equal(batch.logits_indices[:3], [0, 6, 11])
-    for name in ("input_ids", "positions", "slot_mapping", "page_table", "kv_lens", "cu_q_lens",
-                 "num_seqs", "logits_indices"):
+    for name in ("input_ids", "logits_indices"):
         assert getattr(batch, name).dtype == np.int32, name
+    for field in dataclasses.fields(batch.metadata):
+        assert getattr(batch.metadata, field.name).dtype == np.int32, field.name
 
 
 def test_sampling_rows():
@@ -116,9 +119,9 @@ def test_empty_batch_is_all_padding():
     for bucket in config.token_buckets:
         batch = empty_batch(config, bucket)
         assert batch.num_tokens == bucket
-        assert batch.num_seqs[0] == 0
-        assert np.all(batch.slot_mapping // config.page_size == PADDING_PAGE)
-        assert np.all(batch.page_table == PADDING_PAGE) and np.all(batch.cu_q_lens == 0)
+        assert batch.metadata.num_seqs[0] == 0
+        assert np.all(batch.metadata.slot_mapping // config.page_size == PADDING_PAGE)
+        assert np.all(batch.metadata.page_table == PADDING_PAGE) and np.all(batch.metadata.cu_q_lens == 0)
 
 
 def test_batch_is_a_pytree_of_arrays():
@@ -169,31 +172,31 @@ def test_random_batches(case):
     assert T in config.token_buckets and T >= total
     S = config.seq_bucket(T)
     assert S >= len(scheduled)
-    assert batch.page_table.shape == (S, config.max_pages_per_seq)
-    assert batch.kv_lens.shape == batch.logits_indices.shape == (S,) and batch.cu_q_lens.shape == (S + 1,)
-    assert batch.num_seqs[0] == len(scheduled)
+    assert batch.metadata.page_table.shape == (S, config.max_pages_per_seq)
+    assert batch.metadata.kv_lens.shape == batch.logits_indices.shape == (S,) and batch.metadata.cu_q_lens.shape == (S + 1,)
+    assert batch.metadata.num_seqs[0] == len(scheduled)
 
     ps = config.page_size
-    real_slots = batch.slot_mapping[:total]
+    real_slots = batch.metadata.slot_mapping[:total]
     assert len(set(real_slots.tolist())) == total, "two tokens write the same cache slot"
     assert np.all(real_slots // ps != PADDING_PAGE), "a real token writes the padding page"
-    assert np.all(batch.slot_mapping[total:] // ps == PADDING_PAGE), "padding escapes page 0"
-    assert np.all(batch.input_ids[total:] == 0) and np.all(batch.positions[total:] == 0)
+    assert np.all(batch.metadata.slot_mapping[total:] // ps == PADDING_PAGE), "padding escapes page 0"
+    assert np.all(batch.input_ids[total:] == 0) and np.all(batch.metadata.positions[total:] == 0)
 
     start = 0
     for row, (seq, n_new) in enumerate(scheduled):
         first = seq.num_computed_tokens
-        assert batch.cu_q_lens[row] == start and batch.cu_q_lens[row + 1] == start + n_new
-        np.testing.assert_array_equal(batch.positions[start:start + n_new], np.arange(first, first + n_new))
+        assert batch.metadata.cu_q_lens[row] == start and batch.metadata.cu_q_lens[row + 1] == start + n_new
+        np.testing.assert_array_equal(batch.metadata.positions[start:start + n_new], np.arange(first, first + n_new))
         np.testing.assert_array_equal(batch.input_ids[start:start + n_new], seq.tokens(first, first + n_new))
         for i, pos in enumerate(range(first, first + n_new)):
-            assert batch.slot_mapping[start + i] == seq.page_ids[pos // ps] * ps + pos % ps
-        assert batch.kv_lens[row] == first + n_new
+            assert batch.metadata.slot_mapping[start + i] == seq.page_ids[pos // ps] * ps + pos % ps
+        assert batch.metadata.kv_lens[row] == first + n_new
         assert batch.logits_indices[row] == start + n_new - 1
-        np.testing.assert_array_equal(batch.page_table[row, :len(seq.page_ids)], seq.page_ids)
-        assert np.all(batch.page_table[row, len(seq.page_ids):] == PADDING_PAGE)
+        np.testing.assert_array_equal(batch.metadata.page_table[row, :len(seq.page_ids)], seq.page_ids)
+        assert np.all(batch.metadata.page_table[row, len(seq.page_ids):] == PADDING_PAGE)
         start += n_new
     # Rows past the real sequences are empty and point at nothing but the padding page.
-    assert np.all(batch.cu_q_lens[len(scheduled):] == total)
-    assert np.all(batch.kv_lens[len(scheduled):] == 0)
-    assert np.all(batch.page_table[len(scheduled):] == PADDING_PAGE)
+    assert np.all(batch.metadata.cu_q_lens[len(scheduled):] == total)
+    assert np.all(batch.metadata.kv_lens[len(scheduled):] == 0)
+    assert np.all(batch.metadata.page_table[len(scheduled):] == PADDING_PAGE)

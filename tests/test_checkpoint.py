@@ -1,5 +1,5 @@
-"""orbax checkpoints (orca_jax/checkpoint.py): convert once, restore without converting,
-sharded or not; clear errors for missing and corrupt checkpoints."""
+"""orbax checkpoints (orca_jax/checkpoint.py, written by orca_jax/convert.py): convert once,
+restore without converting, sharded or not; clear errors for missing and corrupt checkpoints."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from orca_jax import SamplingParams, checkpoint, parallel
 from orca_jax.cli import main
+from orca_jax.convert import convert
 from orca_jax.engine import LLMEngine
 from orca_jax.models.loader import load_model
 
@@ -57,7 +58,7 @@ def test_restored_parameters_equal_the_converted_ones(ckpt_dir, hf_dir):
 
 def test_bfloat16_conversion_round_trips(hf_dir, tmp_path):
     out = tmp_path / "bf16"
-    checkpoint.convert(str(hf_dir), out, dtype="bfloat16")
+    convert(str(hf_dir), out, dtype="bfloat16")
     opened = checkpoint.open_checkpoint(out)
     assert opened.dtype == "bfloat16"
     restored = opened.restore()
@@ -126,6 +127,18 @@ def test_corrupt_marker_named(broken_copy):
         load_model(broken_copy)
 
 
+def test_a_marker_with_fields_since_removed_still_opens(broken_copy, ckpt_dir):
+    """Checkpoints converted before `ModelConfig.bos_token_id` was removed saved it: ignored."""
+    marker = broken_copy / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    assert "bos_token_id" not in meta["model_config"]
+    meta["model_config"]["bos_token_id"] = 1
+    marker.write_text(json.dumps(meta))
+    opened = checkpoint.open_checkpoint(broken_copy)
+    assert opened.config == checkpoint.open_checkpoint(ckpt_dir).config
+    assert not hasattr(opened.config, "bos_token_id")
+
+
 def test_unknown_format_version_refused(broken_copy):
     marker = broken_copy / checkpoint.MARKER
     marker.write_text(json.dumps(dict(json.loads(marker.read_text()), format_version=99)))
@@ -156,14 +169,29 @@ def test_params_that_do_not_fit_the_config_are_refused(broken_copy):
         checkpoint.open_checkpoint(broken_copy).restore()
 
 
+# Every parameter is checked against the tree the model declares, not just a few named ones.
+@pytest.mark.parametrize("field,value,message", [
+    ("qkv_bias", True, r"parameter layers/attn/k_proj/bias is missing, the model config needs \(2, 2, 16\)"),
+    ("tie_word_embeddings", True, "parameter lm_head is not one the model declares"),
+])
+def test_params_missing_from_or_extra_to_the_model_are_refused(broken_copy, field, value, message):
+    marker = broken_copy / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    assert meta["model_config"][field] != value
+    meta["model_config"][field] = value
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.open_checkpoint(broken_copy).restore()
+
+
 def test_convert_refuses_a_non_empty_directory_and_a_checkpoint(ckpt_dir, hf_dir, tmp_path, capsys):
     assert main(["convert", str(hf_dir), str(ckpt_dir)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     with pytest.raises(checkpoint.CheckpointError, match="already an orca_jax checkpoint"):
-        checkpoint.convert(str(ckpt_dir), tmp_path / "again")
+        convert(str(ckpt_dir), tmp_path / "again")
 
 
 def test_convert_refuses_a_tensor_parallel_size_below_one(hf_dir, tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="at least 1"):
-        checkpoint.convert(str(hf_dir), tmp_path / "out", tensor_parallel_size=0)
+        convert(str(hf_dir), tmp_path / "out", tensor_parallel_size=0)
     assert not (tmp_path / "out").exists()

@@ -113,3 +113,23 @@ def test_bench_results_do_not_overwrite_the_committed_docs_by_default():
     assert not args.json.startswith("docs/") and not args.plot.startswith("docs/")
     args = cli.build_parser().parse_args(["bench", "simulate"])
     assert not args.json.startswith("docs/") and not args.plot.startswith("docs/")
+
+
+# ---- convert --------------------------------------------------------------------------------
+def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, capsys):
+    """`orca-jax convert` is orca_jax.convert.convert ("default": the embedded model, None);
+    the conversion itself is tested in tests/test_checkpoint.py."""
+    import orca_jax.convert
+
+    calls = []
+
+    def fake_convert(model, out_dir, dtype, tensor_parallel_size):
+        calls.append((model, out_dir, dtype, tensor_parallel_size))
+        return {"convert_s": 1.0, "total_s": 2.0}
+
+    monkeypatch.setattr(orca_jax.convert, "convert", fake_convert)
+    out = str(tmp_path / "ckpt")
+    assert cli.main(["convert", "default", out, "--dtype", "bfloat16", "--tensor-parallel-size", "2"]) == 0
+    assert cli.main(["convert", "/models/llama", out]) == 0
+    assert calls == [(None, out, "bfloat16", 2), ("/models/llama", out, "float32", 1)]
+    assert f"use it as --model {out}" in capsys.readouterr().out

@@ -102,3 +102,20 @@ def test_an_unusable_directory_is_a_warning_and_changes_nothing(tmp_path, caplog
         assert not enable_compilation_cache(blocker / "xla")
     assert "is not usable" in caplog.text and str(blocker / "xla") in caplog.text
     assert active_cache_dir() == before
+
+
+def test_the_process_keeps_the_first_engines_cache(tmp_path, caplog, restore_cache_dir):
+    """JAX's cache is per process: an engine's setting applies only while none is active; a
+    later engine asking for another directory, or for none, is told and changes nothing."""
+    from orca_jax.compilation_cache import configure_for_process
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert configure_for_process(None) is None and active_cache_dir() is None
+    assert configure_for_process(tmp_path / "first") == str(tmp_path / "first")
+    with caplog.at_level(logging.WARNING, logger="orca_jax.compilation_cache"):
+        assert configure_for_process(tmp_path / "first") == str(tmp_path / "first")
+        assert not caplog.records, "asking for the active directory is quiet"
+        assert configure_for_process(tmp_path / "second") == str(tmp_path / "first")
+        assert configure_for_process(None) == str(tmp_path / "first")
+    assert len(caplog.records) == 2 and all("already uses" in r.getMessage() for r in caplog.records)
+    assert active_cache_dir() == str(tmp_path / "first") and not (tmp_path / "second").exists()

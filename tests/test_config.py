@@ -1,8 +1,10 @@
-"""EngineConfig validation, bucket derivation and ModelConfig parsing of HF config fields."""
+"""EngineConfig validation and bucket derivation, ModelConfig's own checks. (Reading HF
+config.json into a ModelConfig is the model families' job: tests/models/test_hf_config.py.)"""
 
 import pytest
 
-from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax import kernels
+from orca_jax.config import ATTENTION_IMPLS, EngineConfig, ModelConfig
 
 
 def _model(**overrides) -> ModelConfig:
@@ -61,32 +63,13 @@ def test_invalid_engine_config_names_the_field(kwargs, field):
         EngineConfig(**kwargs)
 
 
-def test_hf_config_fields():
-    hf = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
-              num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-              rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-              eos_token_id=[5, 6], rope_parameters={"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 8192})
-    c = ModelConfig.from_hf_dict(hf)
-    assert (c.num_kv_heads, c.head_dim, c.rope_theta) == (2, 32, 5e5)
-    assert c.tie_word_embeddings and c.attention_bias and c.mlp_bias
-    assert c.eos_token_ids == (5, 6)
-    assert c.rope_scaling_dict == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 8192}
+def test_attention_impls_are_the_kernel_registrys_plus_auto():
+    assert ATTENTION_IMPLS == ("auto", *kernels.available_impls())
+    assert {"reference", "pallas_gpu", "pallas_tpu"} <= set(ATTENTION_IMPLS)
+    for impl in ATTENTION_IMPLS:
+        assert EngineConfig(attention_impl=impl).attention_impl == impl
 
 
-def test_hf_config_defaults_and_old_rope_layout():
-    c = ModelConfig.from_hf_dict(dict(vocab_size=10, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=1, num_attention_heads=4, rope_theta=1234.0))
-    assert (c.num_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling) == (4, 16, 1234.0, None)
-
-
-def test_unsupported_rope_and_model_type_are_named():
-    base = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
-    with pytest.raises(ValueError, match="bert.*supported: llama"):
-        ModelConfig.from_hf_dict({**base, "model_type": "bert"})
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        ModelConfig.from_hf_dict({**base, "num_key_value_heads": 3})
+def test_model_config_checks_its_head_counts():
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+        _model(num_kv_heads=3)

@@ -310,7 +310,7 @@ def test_failing_step_aborts_its_requests_only(engine, reference, monkeypatch):
     calls = []
 
     def fail_once(batch):
-        calls.append(batch.num_seqs[0])
+        calls.append(batch.metadata.num_seqs[0])
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
         return real(batch)

@@ -8,12 +8,19 @@ rules themselves are tested here, in-process.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from orca_jax import parallel
 from orca_jax.config import ModelConfig
+from orca_jax.models import abstract_variables, logical_specs
 
 LOGIT_ATOL = 1e-5
 
@@ -120,39 +127,161 @@ def test_head_counts_the_mesh_cannot_split_are_refused():
         parallel.kv_head_repeats(_config(12, 6), 4)
 
 
-def test_replicated_kv_heads_keep_each_query_heads_kv_head():
-    L, D, K, H, N, repeats = 2, 4, 2, 3, 8, 4
-    kernel = np.arange(L * D * K * H, dtype=np.float32).reshape(L, D, K, H)
-    params = {"params": {"layers": {"attn": {"k_proj": {"kernel": kernel.copy()},
-                                             "v_proj": {"kernel": kernel.copy(), "bias": np.ones((L, K, H))}}}}}
-    out = parallel.replicate_kv_heads(params, repeats)["params"]["layers"]["attn"]
-    assert out["k_proj"]["kernel"].shape == (L, D, K * repeats, H)
-    assert out["v_proj"]["bias"].shape == (L, K * repeats, H)
+def _random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Host weights in the tree the model's init makes (random values, so a misplaced head shows)."""
+    rng = np.random.default_rng(seed)
+    shapes = nn.unbox(abstract_variables(config))
+    return jax.tree.map(lambda leaf: rng.standard_normal(leaf.shape).astype(np.float32), shapes)
+
+
+def test_repeated_kv_heads_keep_each_query_heads_kv_head():
+    config, repeats = dataclasses.replace(_config(8, 2), model_type="qwen2", qkv_bias=True), 4
+    params = _random_params(config)
+    original = jax.tree.map(np.copy, params)
+    out = parallel.repeat_kv_heads(params, logical_specs(config), repeats)["params"]["layers"]["attn"]
+    before = original["params"]["layers"]["attn"]
+    assert out["k_proj"]["kernel"].shape == (2, 64, 2 * repeats, 16)
+    assert out["v_proj"]["bias"].shape == (2, 2 * repeats, 16)
+    N, K = config.num_heads, config.num_kv_heads
     for n in range(N):  # query head n reads KV head n // (N / K) before, n // (N / (K * r)) after
-        before = kernel[:, :, n // (N // K)]
-        after = out["k_proj"]["kernel"][:, :, n // (N // (K * repeats))]
-        np.testing.assert_array_equal(before, after)
+        for name in ("k_proj", "v_proj"):
+            np.testing.assert_array_equal(before[name]["kernel"][:, :, n // (N // K)],
+                                          out[name]["kernel"][:, :, n // (N // (K * repeats))])
+            np.testing.assert_array_equal(before[name]["bias"][:, n // (N // K)],
+                                          out[name]["bias"][:, n // (N // (K * repeats))])
+    # Only the weights with a "kv_heads" axis change.
+    np.testing.assert_array_equal(out["q_proj"]["kernel"], before["q_proj"]["kernel"])
+    np.testing.assert_array_equal(params["params"]["embed"], original["params"]["embed"])
 
 
-@pytest.mark.parametrize("path,shape,spec", [
-    ("embed", (512, 64), P("model", None)),
-    ("embed", (513, 64), P()),  # a vocabulary that does not divide: replicated
-    ("lm_head", (64, 512), P(None, "model")),
-    ("pos_embed", (256, 64), P()),
-    ("layers/attn/q_proj/kernel", (2, 64, 8, 16), P(None, None, "model", None)),
-    ("layers/attn/v_proj/bias", (2, 2, 16), P(None, "model", None)),
-    ("layers/attn/o_proj/kernel", (2, 8, 16, 64), P(None, "model", None, None)),
-    ("layers/attn/o_proj/bias", (2, 64), P()),
-    ("layers/attn/q_norm/scale", (2, 16), P()),
-    ("layers/mlp/gate_proj/kernel", (2, 64, 128), P(None, None, "model")),
-    ("layers/mlp/fc/bias", (2, 128), P(None, "model")),
-    ("layers/mlp/down_proj/kernel", (2, 128, 64), P(None, "model", None)),
-    ("layers/mlp/proj/bias", (2, 64), P()),
-    ("layers/input_norm/scale", (2, 64), P()),
-    ("final_norm/scale", (64,), P()),
-])
-def test_param_spec_rules(path, shape, spec):
-    assert parallel.param_spec(path, shape, 2) == spec
+def test_one_kv_head_repeat_for_host_and_device_arrays():
+    """The same function repeats host weights (numpy) and restored device weights (jax.numpy,
+    inside jit), and the checkpoint's device path (jitted, placed on a mesh) gives the same."""
+    from orca_jax import checkpoint
+
+    config, repeats = dataclasses.replace(_config(8, 2), model_type="qwen2", qkv_bias=True), 4
+    host = parallel.repeat_kv_heads(_random_params(config), logical_specs(config), repeats)
+    device_in = jax.tree.map(jnp.asarray, _random_params(config))
+    on_device = jax.jit(functools.partial(parallel.repeat_kv_heads, logical=logical_specs(config), repeats=repeats, xp=jnp))(device_in)
+    mesh = parallel.make_mesh(1)
+    placed = checkpoint._repeat_kv_heads_on_device(jax.tree.map(jnp.asarray, _random_params(config)), config, mesh,
+                                                   repeats)
+    for result in (on_device, placed):
+        assert jax.tree.structure(result) == jax.tree.structure(host)
+        for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(host)):
+            assert isinstance(a, jax.Array)
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+# The specs every weight of each family had before its sharding was declared in the model
+# (then a table of path patterns): tensor-parallel results must not change.
+M = "model"
+_LLAMA_SPECS = {
+    "embed": P(M, None),
+    "lm_head": P(None, M),
+    "final_norm/scale": P(),
+    "layers/input_norm/scale": P(),
+    "layers/post_attention_norm/scale": P(),
+    "layers/attn/q_proj/kernel": P(None, None, M, None),
+    "layers/attn/k_proj/kernel": P(None, None, M, None),
+    "layers/attn/v_proj/kernel": P(None, None, M, None),
+    "layers/attn/o_proj/kernel": P(None, M, None, None),
+    "layers/mlp/gate_proj/kernel": P(None, None, M),
+    "layers/mlp/up_proj/kernel": P(None, None, M),
+    "layers/mlp/down_proj/kernel": P(None, M, None),
+}
+_QKV_BIASES = {
+    "layers/attn/q_proj/bias": P(None, M, None),
+    "layers/attn/k_proj/bias": P(None, M, None),
+    "layers/attn/v_proj/bias": P(None, M, None),
+}
+EXPECTED_SPECS = {
+    # Llama with attention_bias and mlp_bias: every bias there is.
+    "llama": {**_LLAMA_SPECS, **_QKV_BIASES, "layers/attn/o_proj/bias": P(),
+              "layers/mlp/gate_proj/bias": P(None, M), "layers/mlp/up_proj/bias": P(None, M),
+              "layers/mlp/down_proj/bias": P()},
+    "qwen2": {**{k: v for k, v in _LLAMA_SPECS.items() if k != "lm_head"}, **_QKV_BIASES},  # tied
+    "qwen3": {**_LLAMA_SPECS, "layers/attn/q_norm/scale": P(), "layers/attn/k_norm/scale": P()},
+    "gpt2": {
+        "embed": P(M, None),
+        "pos_embed": P(),
+        "final_norm/scale": P(), "final_norm/bias": P(),
+        "layers/input_norm/scale": P(), "layers/input_norm/bias": P(),
+        "layers/post_attention_norm/scale": P(), "layers/post_attention_norm/bias": P(),
+        "layers/attn/q_proj/kernel": P(None, None, M, None),
+        "layers/attn/k_proj/kernel": P(None, None, M, None),
+        "layers/attn/v_proj/kernel": P(None, None, M, None),
+        **_QKV_BIASES,
+        "layers/attn/o_proj/kernel": P(None, M, None, None), "layers/attn/o_proj/bias": P(),
+        "layers/mlp/fc/kernel": P(None, None, M), "layers/mlp/fc/bias": P(None, M),
+        "layers/mlp/proj/kernel": P(None, M, None), "layers/mlp/proj/bias": P(),
+    },
+}
+FAMILY_CONFIGS = {
+    "llama": dict(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "qwen2": dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "gpt2": dict(model_type="gpt2", num_kv_heads=8, qkv_bias=True, o_bias=True, mlp_bias=True,
+                 tie_word_embeddings=True, hidden_act="gelu_new"),
+}
+
+
+def _family_config(family: str, **fields) -> ModelConfig:
+    return dataclasses.replace(_config(8, 2), **{**FAMILY_CONFIGS[family], **fields})
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_SPECS))
+def test_every_weight_of_each_family_keeps_its_spec(family):
+    config = _family_config(family)
+    specs = parallel.param_specs(nn.unbox(abstract_variables(config)), logical_specs(config), 2)
+    assert parallel.tree_paths(specs["params"]) == EXPECTED_SPECS[family]
+
+
+def test_a_dimension_that_does_not_divide_is_replicated_with_a_warning(caplog):
+    config = _family_config("llama", vocab_size=513)
+    with caplog.at_level("WARNING", logger="orca_jax.parallel"):
+        specs = parallel.tree_paths(parallel.param_specs(nn.unbox(abstract_variables(config)), logical_specs(config), 2)["params"])
+    assert specs["embed"] == P() and specs["lm_head"] == P()
+    assert specs["layers/attn/q_proj/kernel"] == P(None, None, M, None)  # the rest as before
+    assert "parameter embed (513, 64) does not divide by 2 devices: replicated" in caplog.text
+
+
+class _Declares(nn.Module):
+    """A module whose one weight declares `axes` (None: declares none)."""
+
+    axes: tuple[str, ...] | None
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.ones if self.axes is None else nn.with_logical_partitioning(nn.initializers.ones,
+                                                                                          self.axes)
+        return x @ self.param("kernel", init, (x.shape[-1], 4))
+
+
+def _logical_specs_of(module: nn.Module) -> dict:
+    return parallel.logical_specs(jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((2, 3))))
+
+
+def test_a_weight_without_logical_axes_is_refused():
+    with pytest.raises(ValueError, match="parameter kernel declares no logical axes"):
+        _logical_specs_of(_Declares(None))
+    assert _logical_specs_of(_Declares(("embed", "mlp"))) == {"params": {"kernel": P("embed", "mlp")}}
+
+
+def test_a_logical_axis_the_rules_do_not_map_is_refused():
+    with pytest.raises(ValueError, match=r"parameter kernel has logical axes \['experts'\] that "
+                                         r"parallel.LOGICAL_AXIS_RULES does not map"):
+        _logical_specs_of(_Declares(("embed", "experts")))
+    with pytest.raises(ValueError, match="parameter kernel of shape \\(3, 4\\) declares 1 logical axes"):
+        _logical_specs_of(_Declares(("embed",)))
+
+
+def test_a_weight_the_model_does_not_declare_is_refused():
+    config = _family_config("llama")
+    params = nn.unbox(abstract_variables(config))
+    params = {"params": {**params["params"], "extra": {"kernel": np.zeros((4, 4))}}}
+    with pytest.raises(ValueError, match="parameter extra/kernel is not one the model declares"):
+        parallel.param_specs(params, logical_specs(config), 2)
 
 
 def test_more_devices_than_there_are_is_refused(tiny_llama_dir):

@@ -37,12 +37,9 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
 
 
 def run_step(sched: Scheduler, token: int = 7):
-    """schedule + a simulated model step; finishes sequences that reach max_tokens."""
+    """schedule + a simulated model step (postprocess retires sequences at their length)."""
     scheduled = sched.schedule()
-    advanced = sched.postprocess(scheduled, [token] * len(scheduled))
-    for seq in advanced:
-        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= sched.config.max_model_len:
-            sched.finish(seq, "length")
+    sched.postprocess(scheduled, [token] * len(scheduled))
     return scheduled
 
 
@@ -161,11 +158,32 @@ def test_postprocess_appends_only_when_the_prompt_is_done():
     seq = make_seq(0, 12)
     sched.add(seq)
     scheduled = sched.schedule()
-    assert sched.postprocess(scheduled, [99]) == [] and seq.output_token_ids == []
+    assert sched.postprocess(scheduled, [99]).advanced == [] and seq.output_token_ids == []
     assert seq.num_computed_tokens == 8
     scheduled = sched.schedule()
-    assert sched.postprocess(scheduled, [42]) == [seq] and seq.output_token_ids == [42]
+    assert sched.postprocess(scheduled, [42]).advanced == [(0, seq)] and seq.output_token_ids == [42]
     assert seq.num_computed_tokens == 12 and seq.is_decoding
+
+
+def test_postprocess_applies_the_stop_rule_then_the_length_limit():
+    sched = make_scheduler()
+    stops, lengths, goes_on = make_seq(0, 4, max_tokens=3), make_seq(1, 4, max_tokens=1), make_seq(2, 4)
+    for seq in (stops, lengths, goes_on):
+        sched.add(seq)
+    scheduled = sched.schedule()
+    seen = []
+
+    def stop_on_first_row(seq, token):
+        seen.append((seq.seq_id, token))
+        return ("stop", token) if seq is stops else None
+
+    update = sched.postprocess(scheduled, [5, 6, 7], stop_on_first_row)
+    assert seen == [(0, 5), (1, 6), (2, 7)], "the rule sees every new token, after it is appended"
+    assert update.finished == [stops, lengths]
+    assert (stops.finish_reason, stops.stop_reason) == ("stop", 5)
+    assert (lengths.finish_reason, lengths.stop_reason) == ("length", None)
+    assert goes_on.finish_reason is None and sched.running == [goes_on]
+    assert stops.page_ids == [] and lengths.page_ids == [], "retired sequences give their pages back"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,16 +299,16 @@ def simulate(config_kw: dict, reqs: list[Req], policy: str) -> Scheduler:
 
         # The simulated model step.
         before = {id(s): (s.num_computed_tokens, len(s.output_token_ids)) for s, _ in scheduled}
-        advanced = sched.postprocess(scheduled, [100 + step] * len(scheduled))
+        update = sched.postprocess(scheduled, [100 + step] * len(scheduled))
+        advanced = [seq for _, seq in update.advanced]
         for seq, n_new in scheduled:
             computed, n_out = before[id(seq)]
             assert seq.num_computed_tokens == computed + n_new
             reached_end = computed + n_new == seq.num_prompt_tokens + n_out
             assert (seq in advanced) == reached_end
             assert len(seq.output_token_ids) == n_out + reached_end
-        for seq in advanced:
-            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= config.max_model_len:
-                sched.finish(seq, "length")
+            at_length = len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= config.max_model_len
+            assert (seq in update.finished) == (reached_end and at_length), "retired exactly at its length"
         step += 1
 
     # Every request finished or aborted, and the pool is whole again.

@@ -1,4 +1,6 @@
-"""`orca-jax bench`: reproducing Orca's experiment (OSDI 2022, section 6) with orca_jax.
+"""`orca-jax bench`: reproducing Orca's experiment (OSDI 2022, section 6) with orca_jax, from an
+installed wheel. (The accelerator-session scripts live in benchmarks/ of the repository; its
+README says why the two trees are apart.)
 
     trace.py        the synthetic workload: Poisson arrivals, uniform lengths, a length scale
     latency.py      normalized latency, percentiles, per-run summaries, curve interpolation

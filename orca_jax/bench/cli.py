@@ -124,7 +124,7 @@ def cmd_offline(args) -> int:
 
 
 def add_offline_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `bench offline` (also used by benchmarks/throughput.py)."""
+    """The options of `bench offline`."""
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
     p.add_argument("--num-requests", type=_positive_int, default=48, help="requests, all arriving at t=0 (default 48)")
     p.add_argument("--scale", type=_positive_float, default=0.5,

@@ -1,12 +1,13 @@
 """`orca-jax bench simulate`: Orca's experiment at the paper's scale, without the model.
 
-The real `Scheduler` and `PageAllocator` of orca_jax run on a virtual clock: before each step the
-requests whose arrival time has passed join the scheduler; the scheduled batch advances the
-clock by the cost model's step time (cost_model.py) instead of running a model; then the
-scheduler's own postprocess appends a token to every sequence that completed its tokens, and
-a sequence that reached its drawn length finishes. Everything the scheduler decides (admission,
-chunking, page allocation, preemption, the request-level batch boundaries) is the engine's own
-code; only the model is replaced.
+The engine's own step (`orca_jax.step.run_step`: the real `Scheduler`, `PageAllocator`,
+`build_batch` and postprocess) runs on a virtual clock, with a runner that stands in for the
+model (`CostModelRunner`: every sampled token is 0, EOS is ignored). Before each step the
+requests whose arrival time has passed join the scheduler; each step advances the clock by the
+cost model's step time (cost_model.py) for the batch it ran; postprocess appends a token to
+every sequence that completed its tokens and retires one that reached its drawn length.
+Everything the scheduler decides (admission, chunking, page allocation, preemption, the
+request-level batch boundaries) is the engine's own code; only the model is replaced.
 
 Timings are in virtual seconds, so the summaries and curves are those of latency.py and the
 headline is read as in `bench orca`, here at Orca's 190 ms/token next to the paper's 36.9x.
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from orca_jax.bench.cost_model import CostModel, StepWork
 from orca_jax.bench.driver import BatchReturns
 from orca_jax.bench.latency import RequestTiming, curve_from_runs, summarize, throughput_ratio_at_latency
 from orca_jax.bench.orca import POLICIES, RATIO_FACTORS
 from orca_jax.bench.trace import Trace, make_trace
+from orca_jax.sampling import SampleOutput
+from orca_jax.step import run_step
 
 # Orca, section 6.2, GPT-3 175B on 16 A100s: at a median normalized latency of 190 ms/token,
 # 6.81 requests/s for Orca against 0.185 for FasterTransformer.
@@ -30,27 +35,42 @@ DEFAULT_RATES = (0.05, 0.1, 0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.
 
 
 def scheduler_for(cost: CostModel, policy: str, max_model_len: int, num_pages: int | None = None):
-    from orca_jax.config import EngineConfig
+    """The engine's scheduler and page pool, sized as the cost model's engine, for a model of
+    the cost model's shape (GPT-3 style: multi-head attention, a 4x MLP)."""
+    from orca_jax.config import EngineConfig, ModelConfig
     from orca_jax.kv_cache import PageAllocator
     from orca_jax.scheduler import Scheduler
 
-    e = cost.engine
+    e, m = cost.engine, cost.model
+    model = ModelConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                        intermediate_size=4 * m["hidden_size"], num_layers=m["num_layers"], num_heads=m["num_heads"],
+                        num_kv_heads=m["num_heads"], head_dim=m["hidden_size"] // m["num_heads"],
+                        max_position_embeddings=max_model_len, model_type="gpt2", hidden_act="gelu_new")
     config = EngineConfig(max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
                           page_size=e["page_size"], num_pages=num_pages or cost.kv_pool_pages() + 1,
-                          max_model_len=max_model_len, scheduling=policy)
+                          max_model_len=max_model_len, scheduling=policy).resolve(model)
     return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
 
 
-def step_work(scheduled) -> StepWork:
-    """FLOP and byte counts of a scheduled batch, before postprocess advances it."""
-    new = kv_read = pairs = rows = 0
-    for seq, n_new in scheduled:
-        cached = seq.num_computed_tokens
+def step_work(result) -> StepWork:
+    """FLOP and byte counts of one step (`orca_jax.step.StepResult`): its new tokens, the
+    cached tokens they read, and the rows that produced a token."""
+    new = kv_read = pairs = 0
+    for seq, n_new in result.scheduled:
+        cached = seq.num_computed_tokens - n_new  # postprocess has advanced it by n_new
         new += n_new
         kv_read += cached
         pairs += n_new * cached + n_new * (n_new + 1) // 2  # causal within the new tokens
-        rows += cached + n_new == seq.num_tokens
-    return StepWork(new, kv_read, pairs, rows)
+    return StepWork(new, kv_read, pairs, len(result.advanced))
+
+
+class ZeroTokenRunner:
+    """The model's stand-in: token 0 for every row (EOS is ignored), no log-probabilities."""
+
+    def execute(self, batch):
+        S = batch.logits_indices.shape[0]
+        return SampleOutput(tokens=np.zeros(S, np.int32), logprobs=np.zeros(S, np.float32),
+                            top_ids=np.zeros((S, 0), np.int32), top_logprobs=np.zeros((S, 0), np.float32))
 
 
 def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | None = None,
@@ -67,6 +87,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
     first: dict[int, float] = {}
     finish: dict[int, float] = {}
     held = BatchReturns(policy == "request" and request_returns == "batch")
+    runner = ZeroTokenRunner()
     while next_request < n or scheduler.has_unfinished():
         while next_request < n and trace.arrival_times[next_request] <= now:
             params = SamplingParams(max_tokens=trace.output_lens[next_request], ignore_eos=True)
@@ -77,20 +98,17 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
         if not scheduler.has_unfinished():
             now = trace.arrival_times[next_request]  # idle: jump to the next arrival
             continue
-        scheduled = scheduler.schedule()
-        if not scheduled:
+        result = run_step(scheduler, runner, scheduler.config)
+        if result is None:
             raise RuntimeError(f"{policy}: the scheduler returned an empty step with requests waiting "
                                "(a request larger than the KV pool?)")
-        duration = cost.step_time(step_work(scheduled))
+        duration = cost.step_time(step_work(result))
         now, busy, steps = now + duration, busy + duration, steps + 1
-        finished = []
-        for seq in scheduler.postprocess(scheduled, [0] * len(scheduled)):
-            i = seq.seq_id
-            first.setdefault(i, now)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                scheduler.finish(seq, "length")
-                finish[i] = now
-                finished.append(i)
+        for _, seq in result.advanced:
+            first.setdefault(seq.seq_id, now)
+        finished = [seq.seq_id for seq in result.finished]
+        for i in finished:
+            finish[i] = now
         held.after_step(finished, batch_running=bool(scheduler.running), now=now, finish=finish)
     if scheduler.allocator.num_used:
         raise RuntimeError(f"{policy}: {scheduler.allocator.num_used} pages in use after the run")

@@ -1,5 +1,7 @@
 """The one attention entry point. Implementations share the signature of
-`reference.ragged_paged_attention`; `impl` picks one, and "auto" picks by backend:
+`reference.ragged_paged_attention`, `(q, kv_pages, metadata, *, sm_scale, sliding_window,
+soft_cap, <their own options>)`, where `metadata` is the step's `AttentionMetadata` whole;
+`impl` picks one, and "auto" picks by backend:
 
     impl           runs on                    notes
     "reference"    any backend                pure jnp; the CPU path and the test oracle
@@ -22,11 +24,12 @@ import jax
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu_kernel
 from orca_jax.kernels import ragged_paged_attention_tpu as tpu_kernel
 from orca_jax.kernels import reference
+from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kernels.reference import write_kv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ragged_paged_attention", "write_kv", "resolve_impl", "available_impls"]
+__all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv", "resolve_impl", "available_impls"]
 
 # The backend each kernel is built for; "auto" picks the kernel of the running backend.
 _KERNEL_FOR_BACKEND = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
@@ -37,9 +40,10 @@ def _log_fallback_once(impl: str, reason: str) -> None:
     logger.warning("attention: %s cannot serve this model (%s); using the reference", impl, reason)
 
 
-def _pallas_gpu(*args, **kwargs):
+def _pallas_gpu(q, kv_pages, metadata, **kwargs):
     # Off a GPU the same kernel runs in Pallas' interpreter (tests).
-    return gpu_kernel.ragged_paged_attention(*args, interpret=jax.default_backend() != "gpu", **kwargs)
+    return gpu_kernel.ragged_paged_attention(q, kv_pages, metadata, interpret=jax.default_backend() != "gpu",
+                                             **kwargs)
 
 
 _IMPLS = {
@@ -77,14 +81,18 @@ def resolve_impl(impl: str = "auto", backend: str | None = None) -> str:
     return impl
 
 
-def ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
+def ragged_paged_attention(q, kv_pages, metadata: AttentionMetadata, *,
                            sm_scale, sliding_window=None, soft_cap=None, impl="auto"):
     """Attention of the flattened queries of a ragged batch against the paged KV cache.
 
     q [T, num_q_heads, head_dim]; kv_pages [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    (K at even, V at odd head slots); kv_lens int32[S]; page_table int32[S, max_pages_per_seq];
-    cu_q_lens int32[S + 1]; num_seqs int32[1]. Returns [T, num_q_heads, head_dim].
+    (K at even, V at odd head slots); metadata: the step's AttentionMetadata, of which
+    attention reads kv_lens int32[S], page_table int32[S, max_pages_per_seq],
+    cu_q_lens int32[S + 1] and num_seqs int32[1]. `soft_cap` (None: off) caps every score at
+    `soft_cap * tanh(score / soft_cap)` before the softmax. Returns [T, num_q_heads, head_dim].
     """
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"attention takes the step's AttentionMetadata whole, got {type(metadata).__name__}")
     if impl == "auto":
         impl = resolve_impl(impl)
     if impl not in _IMPLS:
@@ -93,5 +101,5 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs
     if reason is not None:
         _log_fallback_once(impl, reason)
         impl = "reference"
-    return _IMPLS[impl](q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return _IMPLS[impl](q, kv_pages, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+                        soft_cap=soft_cap)

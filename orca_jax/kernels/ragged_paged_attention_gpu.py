@@ -2,7 +2,9 @@
 
 One launch computes the attention of a whole mixed step: decode tokens, prefill chunks and
 chunked prefills that continue a cached prefix, with the contract and KV layout of
-`reference.ragged_paged_attention` (DESIGN.md section 4).
+`reference.ragged_paged_attention` (docs/architecture.md, section "Kernels"): the step's ragged
+structure arrives as one `AttentionMetadata`, of which it reads kv_lens, page_table, cu_q_lens
+and num_seqs.
 
 Work split. The query tokens of each sequence are cut into blocks of `block_q` tokens; a
 program owns one (query block, KV head, KV split). It packs the `group` query heads that share
@@ -15,7 +17,8 @@ with the soft cap. Only the KV blocks some row of the program can see are read.
 Split KV (flash decoding). A step of a few long decodes would leave most of the GPU idle with
 one program per (sequence, KV head). With `num_kv_splits > 1` each program takes one slice of
 its KV range and writes a partial output with its log-sum-exp; a small XLA epilogue merges the
-slices. "auto" picks the split count from the static shapes: enough programs to fill the GPU.
+slices. "auto" picks the split count from the static shapes and the GPU's core count (read
+from the device, `num_cores`): enough programs to fill the GPU.
 
 Lowering: Triton, chosen explicitly through `pltriton.CompilerParams`, although jax now
 defaults Pallas on GPU to Mosaic GPU and deprecates the Triton path, because
@@ -39,11 +42,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from orca_jax.kernels.metadata import AttentionMetadata
+
 # A finite "minus infinity" so exp(m_old - m_new) stays defined before a row has seen a key.
 _MASK_VALUE = -1e30
-# Programs to aim for when choosing the KV split: a few per streaming multiprocessor of an
-# H100/H200 (132 SMs), so that uneven sequences still leave none idle.
-_TARGET_PROGRAMS = 4 * 132
+# Streaming multiprocessors assumed when the device does not report its own: an H100/H200's.
+# Also what Pallas' interpreter (CPU tests) plans for, so tests split KV as an H100 would.
+FALLBACK_NUM_CORES = 132
+# Programs to aim for per multiprocessor when choosing the KV split: a few, so that uneven
+# sequences still leave none idle.
+_PROGRAMS_PER_CORE = 4
 _MAX_KV_SPLITS = 16
 
 
@@ -61,8 +69,19 @@ def unsupported_reason(head_dim: int, page_size: int) -> str | None:
     return None
 
 
-def check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs) -> None:
+def num_cores(device) -> int:
+    """Streaming multiprocessors of `device`: its `core_count` when it is a GPU that reports
+    one (jaxlib's CUDA devices do), else FALLBACK_NUM_CORES."""
+    count = getattr(device, "core_count", None) if getattr(device, "platform", None) == "gpu" else None
+    if isinstance(count, int) and count > 0:
+        return count
+    return FALLBACK_NUM_CORES
+
+
+def check_inputs(q, kv_pages, metadata: AttentionMetadata) -> None:
     """Shape and dtype checks that need no data (the kernel trusts the values)."""
+    kv_lens, page_table, cu_q_lens, num_seqs = (
+        metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
     T, num_q_heads, head_dim = q.shape
     _, page_size, two_kv_heads, kv_head_dim = kv_pages.shape
     S = page_table.shape[0]
@@ -102,12 +121,13 @@ def estimate_busy_blocks(num_tokens: int, num_seq_slots: int, block_q: int) -> i
     return min(num_tokens, num_seq_slots + num_tokens // block_q)
 
 
-def choose_num_kv_splits(num_q_blocks: int, num_kv_heads: int, max_kv_blocks: int) -> int:
-    """Split the KV range only when the grid without splits would leave the GPU underused,
-    and never into slices shorter than one KV block. `num_q_blocks`: query blocks that do
-    work (`estimate_busy_blocks`)."""
+def choose_num_kv_splits(num_q_blocks: int, num_kv_heads: int, max_kv_blocks: int,
+                         num_cores: int = FALLBACK_NUM_CORES) -> int:
+    """Split the KV range only when the grid without splits would leave the GPU's
+    `num_cores` multiprocessors underused, and never into slices shorter than one KV block.
+    `num_q_blocks`: query blocks that do work (`estimate_busy_blocks`)."""
     programs = num_q_blocks * num_kv_heads
-    splits = -(-_TARGET_PROGRAMS // max(programs, 1))
+    splits = -(-(_PROGRAMS_PER_CORE * num_cores) // max(programs, 1))
     return int(max(1, min(splits, max_kv_blocks, _MAX_KV_SPLITS)))
 
 
@@ -224,10 +244,8 @@ def _merge_splits(partial_out, lse):
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # int32[S]
-    page_table: jax.Array,  # int32[S, max_pages_per_seq]
-    cu_q_lens: jax.Array,  # int32[S + 1]
-    num_seqs: jax.Array,  # int32[1]
+    metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
+    #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -242,7 +260,9 @@ def ragged_paged_attention(
     """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
     one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step; `interpret=True` runs the
     same kernel on any backend (tests on CPU)."""
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs)
+    check_inputs(q, kv_pages, metadata)
+    kv_lens, page_table, cu_q_lens, num_seqs = (
+        metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
     T, num_q_heads, head_dim = q.shape
     _, page_size, two_kv_heads, _ = kv_pages.shape
     num_kv_heads = two_kv_heads // 2
@@ -254,7 +274,8 @@ def ragged_paged_attention(
     pages_per_block = max(1, kv_block_tokens // page_size)
     num_q_blocks = -(-T // block_q) + S  # every sequence may leave one partial block
     max_kv_blocks = -(-max_pages // pages_per_block)
-    splits = (choose_num_kv_splits(estimate_busy_blocks(T, S, block_q), num_kv_heads, max_kv_blocks)
+    splits = (choose_num_kv_splits(estimate_busy_blocks(T, S, block_q), num_kv_heads, max_kv_blocks,
+                                   num_cores(jax.devices()[0]))
               if num_kv_splits == "auto" else int(num_kv_splits))
 
     # Queries as [T + block_q, K, group (padded to a power of two), D]: a block that starts on

@@ -1,9 +1,10 @@
 """Ragged paged attention on TPU: jax's own Pallas TPU kernel, which shares our KV layout.
 
-`jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes exactly our arguments (queries
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes exactly our arrays (queries
 back to back, pages `[num_pages, page_size, 2 * num_kv_heads, head_dim]` with K and V
-interleaved, kv_lens, page table, cu_q_lens, num_seqs), so this file only chooses its block
-sizes from jax's tuning table and decides when it cannot serve:
+interleaved, and the metadata's kv_lens, page table, cu_q_lens and num_seqs, as positional
+arguments in that order), so this file only unpacks the metadata, chooses the block sizes
+from jax's tuning table and decides when it cannot serve:
   - head_dim must be a multiple of 128 (the TPU lane width);
   - the K/V head axis must tile the TPU's (8 x packing) sublanes, which jax checks in
     `get_min_heads_per_blk`.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from orca_jax.kernels.metadata import AttentionMetadata
 
 TPU_LANES = 128
 
@@ -59,18 +62,16 @@ def block_sizes(q, kv_pages, page_table, tuned_lookup=None) -> tuple[int, int]:
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # int32[S]
-    page_table: jax.Array,  # int32[S, max_pages_per_seq]
-    cu_q_lens: jax.Array,  # int32[S + 1]
-    num_seqs: jax.Array,  # int32[1]
+    metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
+    #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """jax's TPU kernel, for shapes it serves (`unsupported_reason` is None)."""
-    kv_pages_per_block, queries_per_block = block_sizes(q, kv_pages, page_table)
+    kv_pages_per_block, queries_per_block = block_sizes(q, kv_pages, metadata.page_table)
     return _tpu_ops().ragged_paged_attention(
-        q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        q, kv_pages, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         num_kv_pages_per_block=kv_pages_per_block, num_queries_per_block=queries_per_block)

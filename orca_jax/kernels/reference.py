@@ -16,17 +16,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from orca_jax.kernels.metadata import AttentionMetadata
+
 # A finite "minus infinity": keeps exp(m_old - m_new) defined while a row has seen no key yet.
 _MASK_VALUE = -1e30
 
 
-def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter this step's K/V into the paged cache.
+def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+    """Scatter this step's K/V into the paged cache, token t into `metadata.slot_mapping[t]`.
 
     kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
     k, v:     [T, num_kv_heads, head_dim]
-    slot_mapping: int32[T], page * page_size + offset (padding tokens point into page 0)
+    metadata.slot_mapping: int32[T], page * page_size + offset (padding tokens point into page 0)
     """
+    slot_mapping = metadata.slot_mapping
     num_pages, page_size, two_kv_heads, head_dim = kv_pages.shape
     T, num_kv_heads, _ = k.shape
     # Interleave so K of head h lands in slot 2h and V in slot 2h + 1.
@@ -39,10 +42,8 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # int32[S]
-    page_table: jax.Array,  # int32[S, max_pages_per_seq]
-    cu_q_lens: jax.Array,  # int32[S + 1]
-    num_seqs: jax.Array,  # int32[1]
+    metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
+    #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -57,6 +58,8 @@ def ragged_paged_attention(
        rows that share one gather of each KV block.
     Loops run only as far as the data: to each sequence's own causal (and window) bounds.
     """
+    kv_lens, page_table, cu_q_lens, num_seqs = (
+        metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
     T, num_q_heads, head_dim = q.shape
     S, max_pages = page_table.shape
     page_size = kv_pages.shape[1]

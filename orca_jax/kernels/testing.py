@@ -1,9 +1,16 @@
-"""Checking an attention implementation against the contract of DESIGN.md section 4.
+"""Checking an attention implementation against the attention contract.
 
-A float64 oracle written as plain loops (one sequence, one query token, one head at a time)
-and a builder of ragged batches as the engine makes them, with every cache slot that no
-sequence owns set to NaN, so that an implementation that reads padding shows it. Used by the
-kernel tests and by benchmarks/kernel_bench.py to check a kernel on the GPU before timing it.
+The contract (`orca_jax.kernels.ragged_paged_attention`; docs/architecture.md, section
+"Kernels"): queries of all scheduled tokens back to back, the paged cache with K at even and
+V at odd head slots, and one AttentionMetadata; query token i of sequence s sits at cache
+position `kv_lens[s] - q_len_s + i` and attends causally to positions up to its own (and,
+with a sliding window W, to the last W of them); padding tokens get zeros.
+
+Here: a float64 oracle of that contract written as plain loops (one sequence, one query
+token, one head at a time) and a builder of ragged batches as the engine makes them, with
+every cache slot that no sequence owns set to NaN, so that an implementation that reads
+padding shows it. Used by the kernel tests and by benchmarks/kernel_bench.py to check a
+kernel on the GPU before timing it.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orca_jax.kernels.metadata import AttentionMetadata
+
 
 # --------------------------------------------------------------------------------------------
 # float64 oracle: plain loops, one sequence and one query token at a time.
 # --------------------------------------------------------------------------------------------
 
-def oracle_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
-                     sliding_window=None, soft_cap=None):
+def oracle_attention(q, kv_pages, metadata: AttentionMetadata, *, sm_scale, sliding_window=None,
+                     soft_cap=None):
+    kv_lens, page_table, cu_q_lens, num_seqs = (
+        np.asarray(a) for a in (metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs))
     q = np.asarray(q, np.float64)
     kv_pages = np.asarray(kv_pages, np.float64)
     T, num_q_heads, head_dim = q.shape
@@ -54,18 +65,32 @@ def oracle_attention(q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs, *, s
 
 @dataclass
 class Case:
-    q: np.ndarray
-    kv_pages: np.ndarray
-    kv_lens: np.ndarray
-    page_table: np.ndarray
-    cu_q_lens: np.ndarray
-    num_seqs: np.ndarray
+    q: np.ndarray  # [T, num_q_heads, head_dim]
+    kv_pages: np.ndarray  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    metadata: AttentionMetadata  # numpy fields, as build_batch makes them
     num_real_tokens: int
 
-    @property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """The six array arguments of the attention contract, in order."""
-        return self.q, self.kv_pages, self.kv_lens, self.page_table, self.cu_q_lens, self.num_seqs
+
+def ragged_metadata(seqs, page_table: np.ndarray, kv_lens: np.ndarray, *, page_size: int,
+                    num_tokens: int) -> AttentionMetadata:
+    """The metadata of sequences `seqs` [(q_len, kv_len)] scheduled back to back in a bucket
+    of `num_tokens` tokens, as build_batch lays it out: each token's position and cache slot
+    from its sequence's row of `page_table`; padding tokens at position 0, in page 0.
+    `page_table` [S, max_pages] and `kv_lens` [S] hold every row, padding rows as the caller
+    wants them; rows past len(seqs) are not read here."""
+    S = page_table.shape[0]
+    total = sum(q_len for q_len, _ in seqs)
+    cu_q_lens = np.full(S + 1, total, np.int32)
+    cu_q_lens[: len(seqs) + 1] = np.concatenate([[0], np.cumsum([q_len for q_len, _ in seqs])])
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size  # padding: page 0
+    for s, (q_len, kv_len) in enumerate(seqs):
+        tokens = slice(cu_q_lens[s], cu_q_lens[s + 1])
+        pos = np.arange(kv_len - q_len, kv_len, dtype=np.int32)
+        positions[tokens] = pos
+        slot_mapping[tokens] = page_table[s, pos // page_size] * page_size + pos % page_size
+    return AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
+                             kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_seqs=np.array([len(seqs)], np.int32))
 
 
 def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad_seqs=2,
@@ -93,11 +118,9 @@ def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad
 
     total = sum(q_len for q_len, _ in seqs)
     T = total + pad_tokens
-    cu_q_lens = np.full(S + 1, total, np.int32)
-    cu_q_lens[: len(seqs) + 1] = np.concatenate([[0], np.cumsum([q for q, _ in seqs])])
     q = rng.standard_normal((T, num_q_heads, head_dim)) * q_scale  # padding tokens get finite q
-    return Case(q.astype(dtype), kv_pages.astype(dtype), kv_lens, page_table, cu_q_lens,
-                np.array([len(seqs)], np.int32), total)
+    metadata = ragged_metadata(seqs, page_table, kv_lens, page_size=page_size, num_tokens=T)
+    return Case(q.astype(dtype), kv_pages.astype(dtype), metadata, total)
 
 
 # (name, seqs) with seqs = [(q_len, kv_len), ...]
@@ -147,8 +170,7 @@ def assert_matches_oracle(out, case: Case, *, sm_scale, sliding_window=None, sof
     # The oracle reads the inputs exactly as the kernel got them (already rounded to dtype).
     expected = oracle_attention(
         np.asarray(case.q).astype(np.float64), np.asarray(case.kv_pages).astype(np.float64),
-        case.kv_lens, case.page_table, case.cu_q_lens, case.num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        case.metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     n = case.num_real_tokens
     assert np.all(np.isfinite(out)), "NaN/inf in the output: padding was read"
     np.testing.assert_allclose(out[:n], expected[:n], rtol=tol, atol=tol)

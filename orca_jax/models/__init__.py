@@ -1,39 +1,115 @@
-"""The model families, by HF `model_type`: which Flax module runs a checkpoint and which
-function turns its HF tensors into that module's parameters."""
+"""The model families, by HF `model_type`: which Flax module runs a checkpoint, which function
+reads its HF `config.json` into a `ModelConfig`, and which turns its HF tensors into that
+module's parameters. The lists of what is supported (`SUPPORTED_MODEL_TYPES`,
+`SUPPORTED_ACTIVATIONS`) are read off the registries here, and checked here, where every
+configuration from outside (HF config, GGUF metadata via `loader.gguf_config`) comes in."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from orca_jax import parallel
+from orca_jax.config import ModelConfig
+from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gpt2, llama
+from orca_jax.models.layers import ACTIVATIONS
 
 
 @dataclass(frozen=True)
 class Architecture:
     # Called as model_class(config, attention_impl, dtype, mesh=None); applied as
-    # (input_ids, kv_cache, AttentionInputs, logits_indices) -> (logits, kv_cache).
+    # (input_ids, kv_cache, AttentionMetadata, logits_indices) -> (logits, kv_cache).
     model_class: type[nn.Module]
+    # (HF config.json dict, model_type) -> ModelConfig
+    config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
     # (HF tensors by name, consumed; config) -> {"params": tree of numpy arrays}
     hf_to_params: Callable[[dict[str, np.ndarray], ModelConfig], dict[str, Any]]
+    # The transformers class named in config.json's `architectures`, for configs without `model_type`.
+    hf_class_name: str
 
 
-_LLAMA = Architecture(llama.LlamaForCausalLM, llama.hf_to_params)
+def _llama_family(hf_class_name: str) -> Architecture:
+    return Architecture(llama.LlamaForCausalLM, llama.config_from_hf, llama.hf_to_params, hf_class_name)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,  # + sliding window
-    "qwen2": _LLAMA,  # + Q/K/V biases
-    "qwen3": _LLAMA,  # + per-head Q/K RMSNorm
-    "gpt2": Architecture(gpt2.GPT2ForCausalLM, gpt2.hf_to_params),
+    "llama": _llama_family("LlamaForCausalLM"),
+    "mistral": _llama_family("MistralForCausalLM"),  # + sliding window
+    "qwen2": _llama_family("Qwen2ForCausalLM"),  # + Q/K/V biases
+    "qwen3": _llama_family("Qwen3ForCausalLM"),  # + per-head Q/K RMSNorm
+    "gpt2": Architecture(gpt2.GPT2ForCausalLM, gpt2.config_from_hf, gpt2.hf_to_params, "GPT2LMHeadModel"),
 }
-assert tuple(ARCHITECTURES) == SUPPORTED_MODEL_TYPES, "config.SUPPORTED_MODEL_TYPES and the registry disagree"
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# By transformers' `hidden_act` names; GPT-2's `gelu_new` and `gelu_pytorch_tanh` are the same
+# tanh approximation.
+SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
 
 
 def architecture(model_type: str) -> Architecture:
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return ARCHITECTURES[model_type]
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_variables(config: ModelConfig) -> dict[str, Any]:
+    """The variables the family's model declares for `config`, as its init makes them but
+    without computing anything: shapes and dtypes, each parameter boxed with its logical axes
+    (`nn.LogicallyPartitioned`; `nn.unbox` gives the plain tree the loaders produce). The
+    sharding rules (orca_jax/parallel.py) and the checkpoint's shape check read it; traced once
+    per config and shared, so never modified. The call's inputs are small: no parameter's
+    shape depends on them."""
+    T, S, num_pages, page_size, max_pages = 8, 2, 4, 8, 4
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    metadata = AttentionMetadata(positions=i32(T), slot_mapping=i32(T), page_table=i32(S, max_pages),
+                                 kv_lens=i32(S), cu_q_lens=i32(S + 1), num_seqs=i32(1))
+    kv_cache = jax.ShapeDtypeStruct(
+        (config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim), jnp.float32
+    )
+    model = architecture(config.model_type).model_class(config)
+    return jax.eval_shape(model.init, jax.random.key(0), i32(T), kv_cache, metadata, i32(S))
+
+
+@functools.lru_cache(maxsize=8)
+def logical_specs(config: ModelConfig) -> dict[str, Any]:
+    """{"params": PartitionSpecs of logical axis names} of the model that `config` builds, as
+    its weights declare them, checked against `parallel.LOGICAL_AXIS_RULES` (traced once per
+    config; shared, so never modified). What `parallel.param_shardings` and
+    `parallel.repeat_kv_heads` take."""
+    return parallel.logical_specs(abstract_variables(config))
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """A transformers `config.json` dict -> ModelConfig, read by its family's parser. The family
+    comes from `model_type`, else from `architectures`, else Llama."""
+    model_type = _model_type_from_hf(cfg)
+    return _check_supported(architecture(model_type).config_from_hf(cfg, model_type))
+
+
+def _check_supported(config: ModelConfig) -> ModelConfig:
+    """`config` itself, once its family and activation are known to the registries."""
+    architecture(config.model_type)
+    if config.hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    return config
+
+
+def _model_type_from_hf(cfg: dict[str, Any]) -> str:
+    model_type = cfg.get("model_type")
+    if model_type is not None:
+        return model_type
+    by_class = {arch.hf_class_name: name for name, arch in ARCHITECTURES.items()}
+    known = [by_class[a] for a in cfg.get("architectures") or [] if a in by_class]
+    return known[0] if known else "llama"

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.config import ModelConfig
+from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
 from orca_jax.models.layers import MLP, LayerNorm
 from orca_jax.models.llama import DecoderBlock, LlamaForCausalLM
@@ -42,7 +43,8 @@ class GPT2ForCausalLM(LlamaForCausalLM):
         """Token plus learned absolute position embeddings, each token at its own position."""
         c = self.config
         table = self.param(
-            "pos_embed", nn.initializers.normal(0.01), (c.max_position_embeddings, c.hidden_size), self.dtype
+            "pos_embed", nn.with_logical_partitioning(nn.initializers.normal(0.01), ("positions", "embed")),
+            (c.max_position_embeddings, c.hidden_size), self.dtype,
         )
         return jnp.take(embedding, input_ids, axis=0) + jnp.take(table, positions, axis=0)
 
@@ -90,3 +92,29 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, An
     if not c.tie_word_embeddings:
         params["lm_head"] = t.take("lm_head.weight").T
     return {"params": params}
+
+
+def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
+    """HF GPT-2 `config.json`: learned positions, LayerNorm, GELU MLP, multi-head attention with
+    biases everywhere, its own key names (`n_embd`, `n_head`, ...)."""
+    if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
+        raise ValueError("GPT-2 attention scaled other than by 1/sqrt(head_dim) is not supported")
+    hidden, num_heads = cfg["n_embd"], cfg["n_head"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg.get("n_inner") or 4 * hidden,
+        num_layers=cfg["n_layer"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        max_position_embeddings=cfg.get("n_positions", 1024),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        hidden_act=cfg.get("activation_function", "gelu_new"),
+        eos_token_ids=hf_config.eos_token_ids(cfg),
+        model_type=model_type,
+    )

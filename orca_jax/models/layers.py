@@ -8,10 +8,8 @@ per-request structure, through the kernel entry point.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
@@ -20,46 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax import kernels, parallel
+from orca_jax.config import ModelConfig
+from orca_jax.kernels.metadata import AttentionMetadata
 
 
-@dataclass(frozen=True)
-class AttentionInputs:
-    """Per-step metadata that every layer reads (broadcast through the layer scan)."""
-
-    positions: jax.Array  # i32[T]
-    slot_mapping: jax.Array  # i32[T], into one layer's pages
-    page_table: jax.Array  # i32[S, max_pages_per_seq]
-    kv_lens: jax.Array  # i32[S]
-    cu_q_lens: jax.Array  # i32[S + 1]
-    num_seqs: jax.Array  # i32[1]
-    inv_freq: jax.Array  # f32[head_dim // 2]
-
-
-jax.tree_util.register_dataclass(
-    AttentionInputs,
-    data_fields=["positions", "slot_mapping", "page_table", "kv_lens", "cu_q_lens", "num_seqs", "inv_freq"],
-    meta_fields=[],
-)
-
-
-def inputs_for_layer(inputs: AttentionInputs, layer, pages_per_layer: int, page_size: int) -> AttentionInputs:
-    """The step's metadata pointed at one layer's pages of the flat all-layer cache, where
-    layer l's page p is page `l * pages_per_layer + p`."""
-    return dataclasses.replace(
-        inputs,
-        slot_mapping=inputs.slot_mapping + layer * pages_per_layer * page_size,
-        page_table=inputs.page_table + layer * pages_per_layer,
-    )
-
-
-def run_layer_stack(block: type[nn.Module], x, kv_cache, inputs: AttentionInputs, **block_fields):
+def run_layer_stack(block: type[nn.Module], x, kv_cache, metadata: AttentionMetadata, **block_fields):
     """Apply `num_layers` stacked copies of `block` with `nn.scan` (compile time does not grow
     with depth). Call inside a compact method; the parameters live under "layers".
 
     The KV cache of all layers travels through the scan as one array viewed as
     `num_layers * num_pages` pages, so each layer writes into the same donated buffer in place.
     `block(pages_per_layer=, page_size=, **block_fields)` is called as
-    `block((x, kv_pages), layer, inputs) -> ((x, kv_pages), None)`.
+    `block((x, kv_pages), layer, metadata) -> ((x, kv_pages), None)`, and points the metadata at
+    its own layer's pages (`metadata.for_layer`).
     x [T, D]; kv_cache [L, P, page_size, 2K, H]. Returns (x, kv_cache)."""
     num_layers, num_pages, page_size = kv_cache.shape[:3]
     layers = nn.scan(
@@ -68,19 +39,25 @@ def run_layer_stack(block: type[nn.Module], x, kv_cache, inputs: AttentionInputs
         split_rngs={"params": True},
         in_axes=(0, nn.broadcast),
         length=num_layers,
+        # The stacked parameters' new leading axis gets its own logical name (parallel.py).
+        metadata_params={nn.PARTITION_NAME: "layers"},
     )(pages_per_layer=num_pages, page_size=page_size, **block_fields, name="layers")
     flat_cache = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
-    (x, flat_cache), _ = layers((x, flat_cache), jnp.arange(num_layers), inputs)
+    (x, flat_cache), _ = layers((x, flat_cache), jnp.arange(num_layers), metadata)
     return x, flat_cache.reshape(kv_cache.shape)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, whose logical name is `axes` (for the sharding rules)."""
+
     eps: float
     dtype: Any = jnp.float32
+    axes: tuple[str] = ("embed",)
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes),
+                           (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Like transformers: normalise in float32, cast back, then scale in the model dtype.
@@ -92,11 +69,14 @@ class LayerNorm(nn.Module):
 
     eps: float
     dtype: Any = jnp.float32
+    axes: tuple[str] = ("embed",)
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes),
+                           (x.shape[-1],), self.dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
+                          (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
@@ -114,6 +94,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
     if freq_factors is not None:
         inv_freq = (inv_freq / np.asarray(freq_factors, np.float32)).astype(np.float32)
     return inv_freq
+
+
+def model_inv_freq(config: ModelConfig) -> np.ndarray:
+    """The RoPE frequencies of a model (a constant of its config, folded into the program)."""
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling_dict, config.rope_freq_factors)
 
 
 def _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
@@ -141,21 +126,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 class Einsum(nn.Module):
     """A weight with named axes, applied by an einsum (`"TD,DNH->TNH"`); optional bias over
-    the output axes."""
+    the output axes. `axes`: the logical name of each kernel axis (`("embed", "heads",
+    "head_dim")`), which the sharding rules map to the mesh (orca_jax/parallel.py); the bias
+    takes the names of the kernel axes it spans."""
 
     spec: str
     shape: tuple[int, ...]
+    axes: tuple[str, ...]
     use_bias: bool = False
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.normal(0.02), self.shape, self.dtype)
+        kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+                            self.shape, self.dtype)
         y = jnp.einsum(self.spec, x, kernel)
         if self.use_bias:
             out_axes = self.spec.split("->")[1][1:]  # output axes after the token axis
-            bias_shape = tuple(self.shape[self.spec.split(",")[1].index(a)] for a in out_axes)
-            y = y + self.param("bias", nn.initializers.zeros, bias_shape, self.dtype)
+            kernel_axes = self.spec.split(",")[1].split("->")[0]
+            bias_dims = [kernel_axes.index(a) for a in out_axes]
+            bias_axes = tuple(self.axes[d] for d in bias_dims)
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
+                              tuple(self.shape[d] for d in bias_dims), self.dtype)
+            y = y + bias
         return y
 
 
@@ -166,6 +159,14 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
     "gelu": functools.partial(nn.gelu, approximate=False),
 }
+
+
+def activation(name: str):
+    """The activation of `hidden_act` `name`; a clear error for one no family implements (a
+    ModelConfig built in code is not checked against the registry, an HF config is)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 class GatedMLP(nn.Module):
@@ -180,10 +181,11 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         D, F = self.hidden_size, self.intermediate_size
-        gate = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="gate_proj")(x)
-        up = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="up_proj")(x)
-        act = ACTIVATIONS[self.activation]
-        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="down_proj")(act(gate) * up)
+        gate = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="gate_proj")(x)
+        up = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj")(x)
+        act = activation(self.activation)
+        down = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj")
+        return down(act(gate) * up)
 
 
 class MLP(nn.Module):
@@ -198,15 +200,18 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         D, F = self.hidden_size, self.intermediate_size
-        h = Einsum("TD,DF->TF", (D, F), self.use_bias, self.dtype, name="fc")(x)
-        return Einsum("TF,FD->TD", (F, D), self.use_bias, self.dtype, name="proj")(ACTIVATIONS[self.activation](h))
+        h = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="fc")(x)
+        proj = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, name="proj")
+        return proj(activation(self.activation)(h))
 
 
 class PagedAttention(nn.Module):
     """GQA self-attention over the paged cache. Writes this step's K/V, then attends.
 
-    `qk_norm_eps` set: RMSNorm each query and key head before RoPE (Qwen3). `use_rope` off:
-    positions are already in x (GPT-2's learned embedding) and `inputs.inv_freq` is unused."""
+    `qk_norm_eps` set: RMSNorm each query and key head before RoPE (Qwen3). `soft_cap` set:
+    attention scores are capped as `soft_cap * tanh(s / soft_cap)` (Gemma 2's
+    `attn_logit_softcapping`). Called with `rope_inv_freq` None: no RoPE, positions are
+    already in x (GPT-2's learned embedding)."""
 
     num_heads: int
     num_kv_heads: int
@@ -215,40 +220,41 @@ class PagedAttention(nn.Module):
     qkv_bias: bool = False
     o_bias: bool = False
     sliding_window: int | None = None
+    soft_cap: float | None = None
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
     qk_norm_eps: float | None = None
-    use_rope: bool = True
     # A device mesh (tensor parallelism): the cache write and attention then run per shard,
     # on each device's own heads. None: one device, the kernels called directly.
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x, kv_pages, inputs: AttentionInputs):
+    def __call__(self, x, kv_pages, metadata: AttentionMetadata, rope_inv_freq: np.ndarray | None):
+        """x [T, D]; kv_pages [pages, page_size, 2K, H] (this layer's, via metadata.for_layer)."""
         D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        q = Einsum("TD,DNH->TNH", (D, N, H), self.qkv_bias, self.dtype, name="q_proj")(x)
-        k = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="k_proj")(x)
-        v = Einsum("TD,DKH->TKH", (D, K, H), self.qkv_bias, self.dtype, name="v_proj")(x)
+        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        q = Einsum("TD,DNH->TNH", (D, N, H), q_axes, self.qkv_bias, self.dtype, name="q_proj")(x)
+        k = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, name="k_proj")(x)
+        v = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, name="v_proj")(x)
         if self.qk_norm_eps is not None:
-            q = RMSNorm(self.qk_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(self.qk_norm_eps, self.dtype, name="k_norm")(k)
-        if self.use_rope:
-            q = apply_rope(q, inputs.positions, inputs.inv_freq)
-            k = apply_rope(k, inputs.positions, inputs.inv_freq)
-        metadata = (inputs.slot_mapping, inputs.kv_lens, inputs.page_table, inputs.cu_q_lens, inputs.num_seqs)
+            q = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="q_norm")(q)
+            k = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="k_norm")(k)
+        if rope_inv_freq is not None:
+            q = apply_rope(q, metadata.positions, rope_inv_freq)
+            k = apply_rope(k, metadata.positions, rope_inv_freq)
         attend = self._attend if self.mesh is None else parallel.per_shard_attention(self.mesh, self._attend)
         out, kv_pages = attend(q, k, v, kv_pages, metadata)
-        out = Einsum("TNH,NHD->TD", (N, H, D), self.o_bias, self.dtype, name="o_proj")(out)
+        o_axes = ("heads", "head_dim", "embed")
+        out = Einsum("TNH,NHD->TD", (N, H, D), o_axes, self.o_bias, self.dtype, name="o_proj")(out)
         return out, kv_pages
 
     @nn.nowrap
-    def _attend(self, q, k, v, kv_pages, metadata):
+    def _attend(self, q, k, v, kv_pages, metadata: AttentionMetadata):
         """Write this step's K/V into the cache, then attend; on one device's heads when
         sharded (the head counts come from the arrays, not the module)."""
-        slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs = metadata
-        kv_pages = kernels.write_kv(kv_pages, k, v, slot_mapping)
+        kv_pages = kernels.write_kv(kv_pages, k, v, metadata)
         out = kernels.ragged_paged_attention(
-            q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-            sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window, impl=self.attention_impl,
+            q, kv_pages, metadata, sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap, impl=self.attention_impl,
         )
         return out, kv_pages

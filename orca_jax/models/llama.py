@@ -20,10 +20,10 @@ import numpy as np
 
 from orca_jax import parallel
 from orca_jax.config import ModelConfig
+from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
-from orca_jax.models.layers import (
-    AttentionInputs, GatedMLP, PagedAttention, RMSNorm, inputs_for_layer, run_layer_stack,
-)
+from orca_jax.kernels.metadata import AttentionMetadata
+from orca_jax.models.layers import GatedMLP, PagedAttention, RMSNorm, model_inv_freq, run_layer_stack
 
 
 class DecoderBlock(nn.Module):
@@ -35,12 +35,13 @@ class DecoderBlock(nn.Module):
     mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
 
     @nn.compact
-    def __call__(self, carry, layer, inputs: AttentionInputs):
+    def __call__(self, carry, layer, metadata: AttentionMetadata):
         x, kv_pages = carry
-        layer_inputs = inputs_for_layer(inputs, layer, self.pages_per_layer, self.page_size)
+        layer_metadata = metadata.for_layer(layer, self.pages_per_layer, self.page_size)
+        inv_freq = model_inv_freq(self.config) if self.uses_rope else None
         norm = self.norm_cls
         attn_out, kv_pages = self.make_attention()(norm(self.config.rms_norm_eps, self.dtype, name="input_norm")(x),
-                                                   kv_pages, layer_inputs)
+                                                   kv_pages, layer_metadata, inv_freq)
         h = x + attn_out
         out = h + self.make_mlp()(norm(self.config.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
         return (out, kv_pages), None
@@ -60,8 +61,8 @@ class DecoderBlock(nn.Module):
         return PagedAttention(
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            sliding_window=c.sliding_window, attention_impl=self.attention_impl, dtype=self.dtype,
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, use_rope=self.uses_rope, mesh=self.mesh,
+            sliding_window=c.sliding_window, soft_cap=c.attn_logit_softcapping, attention_impl=self.attention_impl,
+            dtype=self.dtype, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, mesh=self.mesh,
             name="attn",
         )
 
@@ -80,21 +81,23 @@ class LlamaForCausalLM(nn.Module):
         return jnp.take(embedding, input_ids, axis=0)
 
     @nn.compact
-    def __call__(self, input_ids, kv_cache, inputs: AttentionInputs, logits_indices):
+    def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
         Returns (logits f32[S, V], kv_cache)."""
         c = self.config
-        embedding = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
-        x = self.embed(embedding, input_ids, inputs.positions)
+        embedding = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+                               (c.vocab_size, c.hidden_size), self.dtype)
+        x = self.embed(embedding, input_ids, metadata.positions)
         x, kv_cache = run_layer_stack(
-            self.block, x, kv_cache, inputs, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
+            self.block, x, kv_cache, metadata, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
             mesh=self.mesh,
         )
         h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = jnp.einsum("SD,VD->SV", h, embedding, preferred_element_type=jnp.float32)
         else:
-            head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size), self.dtype)
+            head = self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
+                              (c.hidden_size, c.vocab_size), self.dtype)
             logits = jnp.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
         if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
             logits = parallel.gather_logits(self.mesh, logits)
@@ -138,3 +141,35 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, An
     if not c.tie_word_embeddings:
         params["lm_head"] = t.take("lm_head.weight").T
     return {"params": params}
+
+
+def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
+    """HF `config.json` of Llama, Mistral, Qwen2 or Qwen3 (`model_type`): the same block, with
+    the switches each family's config implies."""
+    num_heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    rope_theta, rope_scaling = hf_config.rope_from_hf(cfg)
+    attention_bias = cfg.get("attention_bias", False)  # Llama, Qwen3: biases on all four projections
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        # Qwen2 always has Q, K, V biases and never an output bias (its config has no switch).
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
+        mlp_bias=cfg.get("mlp_bias", False),
+        qk_norm=model_type == "qwen3",
+        hidden_act=cfg.get("hidden_act", "silu"),
+        sliding_window=hf_config.sliding_window_from_hf(cfg),
+        eos_token_ids=hf_config.eos_token_ids(cfg),
+        model_type=model_type,
+    )

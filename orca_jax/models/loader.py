@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from orca_jax import checkpoint, model_cache
 from orca_jax.config import ModelConfig
-from orca_jax.models import architecture
+from orca_jax.models import architecture, config_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf_cached(path, dtype, cache_dir)
     if path.is_dir():
-        from orca_jax import checkpoint
-
         if checkpoint.is_checkpoint(path):  # converted before: no conversion now
             opened = checkpoint.open_checkpoint(path)
             return LoadedModel(opened.config, opened, checkpoint.load_tokenizer(opened), str(path))
@@ -123,7 +122,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} has no config.json")
-    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    config = config_from_hf(json.loads(config_file.read_text()))
     eos_ids = tuple(dict.fromkeys(config.eos_token_ids + _generation_eos_ids(path)))
     config = dataclasses.replace(config, eos_token_ids=eos_ids)
     tensors = read_safetensors(path)
@@ -196,9 +195,7 @@ _GGUF_BLOCK_TO_HF = {
 def _load_gguf_cached(path: Path, dtype: str, cache_dir) -> LoadedModel:
     if cache_dir is None:
         return _load_gguf(path)
-    from orca_jax import model_cache
-
-    return model_cache.load_gguf(path, dtype, Path(cache_dir), convert=_load_gguf)
+    return model_cache.load_gguf(path, dtype, Path(cache_dir), convert=_load_gguf, loaded_model=LoadedModel)
 
 
 def _load_gguf(path: Path) -> LoadedModel:
@@ -259,6 +256,9 @@ def _field_value(field):
 
 
 def gguf_config(meta: dict[str, Any]) -> ModelConfig:
+    """GGUF metadata -> the HF `config.json` keys it stands for -> the family's own parser
+    (`orca_jax.models.config_from_hf`), so GGUF and HF checkpoints share one set of defaults
+    and checks. Only llama-architecture files are read, as model_type "llama"."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -268,25 +268,22 @@ def gguf_config(meta: dict[str, Any]) -> ModelConfig:
     def key(name, default=None):
         return meta.get(f"{arch}.{name}", default)
 
-    num_heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=key("vocab_size", 0),  # the caller takes it from the embedding's shape
-        hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=key("attention.head_count_kv") or num_heads,
-        head_dim=key("attention.key_length") or hidden // num_heads,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=key("context_length", 2048),
-        tie_word_embeddings=True,  # the caller unties it when the file has output.weight
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
-        model_type="llama",
-    )
+    hf = {
+        "model_type": "llama",
+        "vocab_size": key("vocab_size", 0),  # the caller takes it from the embedding's shape
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv"),  # None: as many as query heads
+        "head_dim": key("attention.key_length"),  # None: hidden_size / heads
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": key("context_length", 2048),
+        "tie_word_embeddings": True,  # the caller unties it when the file has output.weight
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    return config_from_hf(hf)
 
 
 def gguf_to_hf_name(name: str) -> str:

@@ -42,8 +42,9 @@ def test_step_roofline_counts_every_weight_once():
 def test_kernel_bench_counts_kv_queries_and_outputs():
     kernel_bench = load("kernel_bench")
     kernel_bench.NUM_Q_HEADS, kernel_bench.NUM_KV_HEADS, kernel_bench.HEAD_DIM = 4, 2, 16
-    arrays, moved = kernel_bench.make_step([(1, 40), (5, 21)])
-    q, kv_pages, kv_lens, page_table, cu_q_lens, num_seqs = arrays
+    (q, kv_pages, metadata), moved = kernel_bench.make_step([(1, 40), (5, 21)])
+    kv_lens, page_table, cu_q_lens, num_seqs = (
+        metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
     assert q.shape == (6, 4, 16) and kv_pages.shape[1:] == (16, 4, 16)
     assert list(kv_lens) == [40, 21] and list(cu_q_lens) == [0, 1, 6] and int(num_seqs[0]) == 2
     # Every sequence's pages are its own: no page is shared or the padding page.

@@ -9,7 +9,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax import kernels
-from orca_jax.kernels.testing import MIXES, make_case
+from orca_jax.kernels.testing import MIXES, assert_matches_oracle, make_case
 
 
 @pytest.mark.parametrize("backend,expected", [("gpu", "pallas_gpu"), ("cuda", "pallas_gpu"),
@@ -38,13 +38,35 @@ def test_impossible_choices_fail_clearly(caplog):
 def test_pallas_gpu_hands_unsupported_head_dims_to_the_reference(caplog):
     kernels._log_fallback_once.cache_clear()
     case = make_case(3, MIXES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=80, page_size=16)
-    arrays = case.arrays
+    arrays = case.q, case.kv_pages, case.metadata
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         out = kernels.ragged_paged_attention(*arrays, sm_scale=0.1, impl="pallas_gpu")
     np.testing.assert_array_equal(np.asarray(out),
                                   np.asarray(kernels.ragged_paged_attention(*arrays, sm_scale=0.1,
                                                                             impl="reference")))
     assert "head_dim 80" in caplog.text
+
+
+def test_metadata_is_taken_whole():
+    case = make_case(4, MIXES["decode"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    m = case.metadata
+    loose = (m.kv_lens, m.page_table, m.cu_q_lens, m.num_seqs)
+    with pytest.raises(TypeError, match="AttentionMetadata"):
+        kernels.ragged_paged_attention(case.q, case.kv_pages, loose, sm_scale=0.1, impl="reference")
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu"])
+def test_soft_cap_reaches_the_kernel(impl):
+    """The dispatcher hands soft_cap on: capped scores match the float64 oracle with the cap,
+    and the answer is not the uncapped one (large queries push scores far past the cap)."""
+    case = make_case(8, MIXES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, q_scale=3.0)
+    arrays = case.q, case.kv_pages, case.metadata
+    capped = kernels.ragged_paged_attention(*arrays, sm_scale=0.125, soft_cap=2.0, impl=impl)
+    assert_matches_oracle(capped, case, sm_scale=0.125, soft_cap=2.0, tol=1e-5)
+    uncapped = kernels.ragged_paged_attention(*arrays, sm_scale=0.125, impl=impl)
+    assert_matches_oracle(uncapped, case, sm_scale=0.125, tol=1e-5)
+    n = case.num_real_tokens
+    assert np.max(np.abs(np.asarray(capped)[:n] - np.asarray(uncapped)[:n])) > 0.1
 
 
 def test_engine_on_the_pallas_gpu_kernel_matches_the_reference(tiny_engine_factory, caplog):

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from orca_jax.kernels import AttentionMetadata
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu
 from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case, random_mix
 
@@ -29,7 +31,7 @@ TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def run_kernel(case, **kw):
-    return gpu.ragged_paged_attention(*case.arrays, interpret=True, **kw)
+    return gpu.ragged_paged_attention(case.q, case.kv_pages, case.metadata, interpret=True, **kw)
 
 
 def check(case, *, sm_scale, sliding_window=None, soft_cap=None, tol, **kernel_kw):
@@ -97,9 +99,11 @@ def test_all_padding_batch_is_zero():
     T, S, D = 8, 4, 64
     q = np.random.default_rng(0).standard_normal((T, 4, D)).astype(np.float32)
     kv_pages = np.full((3, 16, 4, D), np.nan, np.float32)
-    out = gpu.ragged_paged_attention(q, kv_pages, np.zeros(S, np.int32), np.zeros((S, 2), np.int32),
-                                     np.zeros(S + 1, np.int32), np.zeros(1, np.int32), sm_scale=0.125,
-                                     interpret=True)
+    metadata = AttentionMetadata(
+        positions=np.zeros(T, np.int32), slot_mapping=np.arange(T, dtype=np.int32) % 16,
+        page_table=np.zeros((S, 2), np.int32), kv_lens=np.zeros(S, np.int32),
+        cu_q_lens=np.zeros(S + 1, np.int32), num_seqs=np.zeros(1, np.int32))
+    out = gpu.ragged_paged_attention(q, kv_pages, metadata, sm_scale=0.125, interpret=True)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
@@ -109,6 +113,27 @@ def test_split_count_fills_the_gpu_only_when_needed():
     assert gpu.choose_num_kv_splits(num_q_blocks=256, num_kv_heads=8, max_kv_blocks=128) == 1
     # Never more slices than KV blocks.
     assert gpu.choose_num_kv_splits(num_q_blocks=1, num_kv_heads=1, max_kv_blocks=3) == 3
+    # A GPU with fewer multiprocessors fills sooner: 16 programs are 4 per core of a 4-core GPU.
+    assert gpu.choose_num_kv_splits(num_q_blocks=2, num_kv_heads=8, max_kv_blocks=128, num_cores=4) == 1
+    assert gpu.choose_num_kv_splits(num_q_blocks=2, num_kv_heads=8, max_kv_blocks=128, num_cores=8) == 2
+
+
+@pytest.mark.parametrize("device,expected", [
+    (types.SimpleNamespace(platform="gpu", core_count=108), 108),  # an A100 reports its SMs
+    (types.SimpleNamespace(platform="gpu", core_count=0), gpu.FALLBACK_NUM_CORES),  # nothing to go by
+    (types.SimpleNamespace(platform="gpu"), gpu.FALLBACK_NUM_CORES),  # a jaxlib without core_count
+    (types.SimpleNamespace(platform="cpu", core_count=2), gpu.FALLBACK_NUM_CORES),  # interpreter: as an H100
+])
+def test_core_count_is_read_from_the_gpu_with_the_h100_as_fallback(device, expected):
+    assert gpu.num_cores(device) == expected
+
+
+def test_core_count_of_this_machine_is_a_positive_int():
+    assert gpu.FALLBACK_NUM_CORES == 132
+    count = gpu.num_cores(jax.devices()[0])
+    assert isinstance(count, int) and count > 0
+    if jax.devices()[0].platform == "cpu":
+        assert count == gpu.FALLBACK_NUM_CORES
 
 
 @pytest.mark.parametrize("T,S,busy", [(256, 256, 256), (64, 64, 64), (8, 8, 8), (512, 32, 64)])
@@ -135,10 +160,11 @@ def test_lowers_to_triton_for_cuda(dtype, group, head_dim, page_size, window, ca
     """Cross-lower for CUDA from this CPU: every operation of the kernel has a Triton lowering
     and the step holds exactly one Triton kernel (the split merge is plain XLA)."""
     T, S, max_pages = 64, 8, 16
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    metadata = AttentionMetadata(positions=i32((T,)), slot_mapping=i32((T,)), page_table=i32((S, max_pages)),
+                                 kv_lens=i32((S,)), cu_q_lens=i32((S + 1,)), num_seqs=i32((1,)))
     args = (jax.ShapeDtypeStruct((T, 2 * group, head_dim), dtype),
-            jax.ShapeDtypeStruct((100, page_size, 4, head_dim), dtype),
-            jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S, max_pages), jnp.int32),
-            jax.ShapeDtypeStruct((S + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+            jax.ShapeDtypeStruct((100, page_size, 4, head_dim), dtype), metadata)
     fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sliding_window=window,
                                    soft_cap=cap, num_kv_splits=splits))
     triton = "__gpu$xla.gpu.triton"

@@ -68,11 +68,14 @@ def test_served_shapes_go_to_jax_kernel_with_our_arrays_unchanged(monkeypatch):
     ops = _RecordingTpuOps()
     monkeypatch.setattr(tpu, "_tpu_ops", lambda: ops)
     case = make_case(0, MIXES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
-    arrays = case.arrays
-    tpu.ragged_paged_attention(*arrays, sm_scale=0.1, sliding_window=64, soft_cap=30.0)
+    m = case.metadata
+    tpu.ragged_paged_attention(case.q, case.kv_pages, m, sm_scale=0.1, sliding_window=64, soft_cap=30.0)
     (args, kwargs), = ops.calls
-    for got, given in zip(args, arrays):  # the layout is shared: no copy, no transpose
-        assert got is given
+    # jax's positional order; the layout is shared: no copy, no transpose.
+    given = (case.q, case.kv_pages, m.kv_lens, m.page_table, m.cu_q_lens, m.num_seqs)
+    assert len(args) == len(given)
+    for got, expected in zip(args, given):
+        assert got is expected
     assert kwargs == dict(sm_scale=0.1, sliding_window=64, soft_cap=30.0,
                           num_kv_pages_per_block=8, num_queries_per_block=16)
 
@@ -80,7 +83,7 @@ def test_served_shapes_go_to_jax_kernel_with_our_arrays_unchanged(monkeypatch):
 def test_other_shapes_fall_back_to_the_reference_and_say_why_once(caplog):
     kernels._log_fallback_once.cache_clear()
     case = make_case(1, MIXES["chunked"], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16)
-    arrays = case.arrays
+    arrays = case.q, case.kv_pages, case.metadata
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         out = kernels.ragged_paged_attention(*arrays, sm_scale=0.125, impl="pallas_tpu")
         kernels.ragged_paged_attention(*arrays, sm_scale=0.125, impl="pallas_tpu")

@@ -15,6 +15,7 @@ i.e. after rounding to the input dtype):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.kernels import ragged_paged_attention, write_kv
+from orca_jax.kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
@@ -30,12 +31,20 @@ TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
 
 def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
     out = ragged_paged_attention(
-        *case.arrays, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl="reference")
+        case.q, case.kv_pages, case.metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, impl="reference")
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     return assert_matches_oracle(out, case, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, tol=tol)
 
 
+def all_padding_metadata(num_tokens: int, num_seq_slots: int, page_size: int) -> AttentionMetadata:
+    """A warm-up batch's metadata: num_seqs = 0, every token padding (position 0, page 0)."""
+    return AttentionMetadata(
+        positions=np.zeros(num_tokens, np.int32),
+        slot_mapping=np.arange(num_tokens, dtype=np.int32) % page_size,
+        page_table=np.zeros((num_seq_slots, 2), np.int32), kv_lens=np.zeros(num_seq_slots, np.int32),
+        cu_q_lens=np.zeros(num_seq_slots + 1, np.int32), num_seqs=np.zeros(1, np.int32))
 
 
 @pytest.mark.parametrize("seed,ratio,num_kv_heads,head_dim,page_size,mix,window,cap",
@@ -84,11 +93,11 @@ def test_padding_layout_of_build_batch():
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
     case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=8, pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)
-    pt = case.page_table
+    pt = case.metadata.page_table
     for s, n in enumerate([3, 2, 6]):
         pt[s, n:] = 0
     pt[3:] = 0
-    case.kv_lens[3:] = 0
+    case.metadata.kv_lens[3:] = 0
     run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])
 
 
@@ -97,8 +106,7 @@ def test_all_padding_batch_is_zero():
     T, S, H, D, ps = 8, 4, 4, 64, 16
     q = np.random.default_rng(0).standard_normal((T, H, D)).astype(np.float32)
     kv_pages = np.full((3, ps, 4, D), np.nan, np.float32)
-    out = ragged_paged_attention(q, kv_pages, np.zeros(S, np.int32), np.zeros((S, 2), np.int32),
-                                 np.zeros(S + 1, np.int32), np.zeros(1, np.int32), sm_scale=0.125,
+    out = ragged_paged_attention(q, kv_pages, all_padding_metadata(T, S, ps), sm_scale=0.125,
                                  impl="reference")
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
@@ -110,12 +118,11 @@ def test_rows_do_not_depend_on_other_sequences():
     together = make_case(6, [(1, 300), (9, 70), (30, 30)], **kw)
     # Copy the lone sequence's data into row 1 of the batch.
     together.q[1:10] = alone.q[:9]
-    pages = together.page_table[1, :5]
-    together.kv_pages[pages] = alone.kv_pages[alone.page_table[0, :5]]
+    pages = together.metadata.page_table[1, :5]
+    together.kv_pages[pages] = alone.kv_pages[alone.metadata.page_table[0, :5]]
     outs = []
     for c, rows in ((alone, slice(0, 9)), (together, slice(1, 10))):
-        o = ragged_paged_attention(c.q, c.kv_pages, c.kv_lens, c.page_table, c.cu_q_lens, c.num_seqs,
-                                   sm_scale=0.125, impl="reference")
+        o = ragged_paged_attention(c.q, c.kv_pages, c.metadata, sm_scale=0.125, impl="reference")
         outs.append(np.asarray(o)[rows])
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
@@ -136,8 +143,9 @@ def test_write_kv_slots_and_padding(dtype):
     real_slots = rng.choice(np.arange(ps, num_pages * ps), size=n_real, replace=False)
     pad_slots = np.arange(n_pad) % ps  # page 0, as build_batch does
     slot_mapping = np.concatenate([real_slots, pad_slots]).astype(np.int32)
+    metadata = dataclasses.replace(all_padding_metadata(T, 1, ps), slot_mapping=slot_mapping)
 
-    new = np.asarray(jax.jit(write_kv)(jnp.asarray(kv_pages), k, v, slot_mapping))
+    new = np.asarray(jax.jit(write_kv)(jnp.asarray(kv_pages), k, v, metadata))
     assert new.shape == kv_pages.shape and new.dtype == kv_pages.dtype
 
     expected = np.asarray(kv_pages).copy()
@@ -165,11 +173,17 @@ def test_write_kv_then_attention_matches_oracle():
     T = case.q.shape[0]
     k = rng.standard_normal((T, KVH, D)).astype(np.float32)
     v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    m = case.metadata
     slots = np.arange(T, dtype=np.int32) % ps  # padding tokens -> page 0
-    for s in range(int(case.num_seqs[0])):
-        start, end = case.cu_q_lens[s], case.cu_q_lens[s + 1]
+    positions = np.zeros(T, np.int32)
+    for s in range(int(m.num_seqs[0])):
+        start, end = m.cu_q_lens[s], m.cu_q_lens[s + 1]
         for t in range(start, end):
-            pos = case.kv_lens[s] - (end - start) + (t - start)
-            slots[t] = case.page_table[s, pos // ps] * ps + pos % ps
-    case.kv_pages = np.asarray(write_kv(jnp.asarray(case.kv_pages), k, v, slots))
+            pos = m.kv_lens[s] - (end - start) + (t - start)
+            slots[t] = m.page_table[s, pos // ps] * ps + pos % ps
+            positions[t] = pos
+    # The case's metadata says the same, token by token, as build_batch would.
+    np.testing.assert_array_equal(m.slot_mapping, slots)
+    np.testing.assert_array_equal(m.positions, positions)
+    case.kv_pages = np.asarray(write_kv(jnp.asarray(case.kv_pages), k, v, m))
     run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])

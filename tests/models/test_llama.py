@@ -1,7 +1,7 @@
 """Llama parity with Hugging Face transformers (PyTorch CPU, float32), through the real engine path.
 
 Every parity case builds an LLMEngine on a tiny random checkpoint saved with transformers, then
-drives it by hand (schedule -> build_batch -> runner.logits -> postprocess) with a small token
+steps it (each step returning its logits, through the runner seam) with a small token
 budget, so prompts are chunk-prefilled and steps mix prefill chunks with decodes of other
 requests. Each row whose scheduled tokens reach the end of its sequence is compared with HF's
 last-position logits on the same full token sequence.
@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from orca_jax import LLM
-from orca_jax.engine import LLMEngine
-from orca_jax.models.layers import rope_inv_freq
+from orca_jax.models.layers import model_inv_freq, rope_inv_freq
 from orca_jax.models.loader import load_model
 
 ATOL = 1e-4
@@ -94,12 +93,12 @@ def _hf_model(directory: Path):
 
 
 @pytest.fixture(scope="module")
-def parity_results(tiny_llama_factory, tmp_path_factory, engine_parity):
+def parity_results(tiny_llama_factory, tmp_path_factory, engine_parity, make_logits_engine):
     """Run every parity config once; tests below assert on the results."""
     results = {}
     for i, name in enumerate(PARITY_CONFIGS):
         directory = _model_dir(tiny_llama_factory, tmp_path_factory, name)
-        engine = LLMEngine(
+        engine = make_logits_engine(
             model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
             max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
         )
@@ -129,7 +128,7 @@ def test_llama3_rope_config_is_applied(parity_results):
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
     }
     plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
-    scaled = np.asarray(engine.runner.inv_freq)
+    scaled = model_inv_freq(cfg)  # what the model's layers fold into the step
     assert np.allclose(scaled[:1], plain[:1])  # short wavelength kept
     assert np.allclose(scaled[-1], plain[-1] / 8.0)  # long wavelength slowed by `factor`
     assert not np.allclose(scaled, plain)
@@ -165,3 +164,46 @@ def test_loader_tree_matches_model_init(tiny_llama_factory, tmp_path_factory, as
     has_bias = "bias" in loaded.params["params"]["layers"]["attn"]["q_proj"]
     assert has_bias == PARITY_CONFIGS[name].get("attention_bias", False)
     assert ("lm_head" in loaded.params["params"]) != PARITY_CONFIGS[name].get("tie_word_embeddings", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's attention soft cap reaches the kernel.
+# ---------------------------------------------------------------------------------------------
+def test_attention_soft_cap_reaches_the_kernel():
+    """`ModelConfig.attn_logit_softcapping` changes the logits when it bites (a cap of 0.5 on
+    scores of a weight scale of 0.5), and a cap far above every score changes nothing: so the
+    value travels config -> PagedAttention -> kernel and is applied as c * tanh(s / c)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from orca_jax.batch import build_batch
+    from orca_jax.config import EngineConfig, ModelConfig
+    from orca_jax.kv_cache import PageAllocator
+    from orca_jax.models import architecture
+    from orca_jax.sampling_params import SamplingParams
+    from orca_jax.sequence import Sequence
+
+    base = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    engine_config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, page_size=8, num_pages=8,
+                                 max_model_len=64).resolve(base)
+    seq = Sequence(0, "r0", 0, list(range(3, 15)), SamplingParams(max_tokens=1), 0)
+    seq.page_ids = PageAllocator(8, 8).allocate(2)
+    batch = jax.tree.map(jnp.asarray, build_batch(engine_config, [(seq, 12)]))
+    kv_cache = jnp.zeros((2, 8, 8, 4, 8), jnp.float32)
+
+    model_class = architecture("llama").model_class
+    params = jax.jit(model_class(base).init)(jax.random.key(0), batch.input_ids, kv_cache, batch.metadata,
+                                             batch.logits_indices)
+    params = jax.tree.map(lambda w: w * 25.0, params)  # the cap adds no parameter
+
+    def logits(cap):
+        model = model_class(dataclasses.replace(base, attn_logit_softcapping=cap))
+        out, _ = jax.jit(model.apply)(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)
+        return np.asarray(out[0])
+
+    uncapped = logits(None)
+    np.testing.assert_allclose(logits(1e6), uncapped, rtol=1e-5, atol=1e-5)
+    assert np.abs(logits(0.5) - uncapped).max() > 1e-2

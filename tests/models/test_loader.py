@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from orca_jax.config import ModelConfig
-from orca_jax.models import loader
+from orca_jax.models import config_from_hf, loader
 from orca_jax.models.loader import (
     gguf_config,
     gguf_to_hf_name,
@@ -52,7 +52,7 @@ def _hf_reference_params(directory: Path) -> tuple[dict, ModelConfig]:
     """The expected Flax tree, built by hand from HF's own state dict (independent of
     `read_safetensors`)."""
     state = {k: v.detach().float().numpy() for k, v in _hf_model(directory).state_dict().items()}
-    config = ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
     return hf_to_params(state, config), config
 
 
@@ -183,27 +183,10 @@ def test_unsupported_model_type_lists_supported_ones(tiny_llama_dir, tmp_path):
 
 def test_missing_tensor_raises_value_error(tiny_llama_dir):
     tensors = read_safetensors(tiny_llama_dir)
-    config = ModelConfig.from_hf_dict(json.loads((tiny_llama_dir / "config.json").read_text()))
+    config = config_from_hf(json.loads((tiny_llama_dir / "config.json").read_text()))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         hf_to_params(tensors, config)
-
-
-def test_legacy_and_new_rope_config_layouts_agree():
-    base = dict(
-        model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    )
-    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-    new = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
-    old = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
-    older = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
-    assert new == old == older
-    assert new.rope_theta == 5e5 and new.rope_scaling_dict == scaling
-    plain = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
-    assert plain.rope_scaling is None and plain.rope_theta == 1e4
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +249,8 @@ def test_gguf_config_reads_llama_metadata():
     assert (c.hidden_size, c.intermediate_size, c.num_layers) == (64, 128, 3)
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, 32)
     assert c.rms_norm_eps == pytest.approx(1e-6) and c.rope_theta == 5e5 and c.max_position_embeddings == 1024
-    assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
+    assert c.eos_token_ids == (2,) and c.model_type == "llama" and c.hidden_act == "silu"
+    assert c.tie_word_embeddings and not (c.qkv_bias or c.o_bias or c.mlp_bias)  # until tensors say otherwise
     # Without head_count_kv / key_length: MHA with head_dim = hidden / heads.
     minimal = {k: v for k, v in meta.items() if k not in ("llama.attention.head_count_kv", "llama.attention.key_length")}
     c = gguf_config(minimal)
@@ -388,7 +372,7 @@ def test_gguf_round_trip_gives_the_hf_params(tiny_llama_factory, tmp_path, case)
                   "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings"):
         assert getattr(c, field) == getattr(expected_config, field), field
     assert c.rms_norm_eps == pytest.approx(expected_config.rms_norm_eps)
-    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert c.eos_token_ids == (2,)
     _assert_trees_equal(loaded.params, expected)
     # Loading a directory that holds only the GGUF picks the file up.
     _assert_trees_equal(load_model(gguf_dir).params, expected)
@@ -436,7 +420,7 @@ def test_gguf_attention_biases_are_loaded_and_unpermuted(tiny_llama_factory, tmp
     path = write_llama_gguf(tmp_path / "biased.gguf", biased)
     loaded = load_model(path)
     expected, _ = _hf_reference_params(biased)
-    assert loaded.config.attention_bias and loaded.config.mlp_bias
+    assert loaded.config.qkv_bias and loaded.config.o_bias and loaded.config.mlp_bias
     _assert_trees_equal(loaded.params, expected)
 
 

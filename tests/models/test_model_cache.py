@@ -172,7 +172,7 @@ def test_second_load_restores_without_parsing(tiny_gguf, tmp_path, no_parsing, d
     _assert_bit_identical(second.params.restore(dtype), expected)
     assert "cache_restore_s" in second.timings
     _assert_same_tokenizer(second.tokenizer, first.tokenizer)
-    assert second.tokenizer.encode("the")[0] == first.config.bos_token_id  # add_bos_token survived the cache
+    assert second.tokenizer.encode("the")[0] == first.tokenizer.bos_token_id  # add_bos_token survived the cache
 
 
 def test_restored_params_are_placed_like_converted_ones(tiny_gguf, tmp_path):
@@ -348,12 +348,20 @@ def test_an_entry_from_other_conversion_code_is_rebuilt(tiny_gguf, tmp_path, par
 
 
 def test_converter_fingerprint_follows_the_model_code():
-    import orca_jax.models
+    """It digests every file that decides a converted entry, the config parsers among them
+    (each family's, beside its model), so changing any of them makes old entries stale."""
+    import inspect
+
+    from orca_jax.models import ARCHITECTURES, hf_config, loader
 
     first = model_cache.converter_fingerprint()
     assert first == model_cache.converter_fingerprint()
-    sources = {p.name for p in Path(orca_jax.models.__file__).parent.glob("*.py")}
-    assert {"loader.py", "gguf_tokenizer.py", "llama.py"} <= sources  # the files it digests
+    sources = set(model_cache.fingerprint_sources())
+    deciding = [loader.gguf_config, loader.unpermute_rope_rows, hf_config.rope_from_hf, checkpoint.model_config_from_dict]
+    for arch in ARCHITECTURES.values():
+        deciding += [arch.config_from_hf, arch.hf_to_params]
+    assert {Path(inspect.getsourcefile(f)) for f in deciding} <= sources
+    assert {"gguf_tokenizer.py", "config.py"} <= {p.name for p in sources}
 
 
 def test_a_failed_save_leaves_no_entry(tiny_gguf, tmp_path, monkeypatch, caplog):

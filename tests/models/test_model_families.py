@@ -2,8 +2,8 @@
 through the real engine path, plus the registry (`orca_jax.models`) and the HF config fields
 each family reads.
 
-Each family gets a tiny random checkpoint saved by transformers. Parity drives an LLMEngine by
-hand with a small token budget (chunked prefill, steps that mix prefill chunks with decodes,
+Each family gets a tiny random checkpoint saved by transformers. Parity steps an LLMEngine (its
+steps return their logits) with a small token budget (chunked prefill, steps that mix prefill chunks with decodes,
 a late arrival; see `drive_engine_against_hf` in conftest) and compares every produced row's
 logits with HF's; greedy generation through `LLM` must equal HF `generate` token for token.
 HF runs with eager attention, whose sliding-window mask is explicit.
@@ -19,9 +19,7 @@ import pytest
 import torch
 
 from orca_jax import LLM
-from orca_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from orca_jax.engine import LLMEngine
-from orca_jax.models import ARCHITECTURES, architecture
+from orca_jax.models import ARCHITECTURES, SUPPORTED_MODEL_TYPES, architecture, config_from_hf
 from orca_jax.models.gpt2 import GPT2ForCausalLM
 from orca_jax.models.llama import LlamaForCausalLM
 from orca_jax.models.loader import load_model
@@ -66,12 +64,12 @@ def _hf_model(directory: Path):
 
 
 @pytest.fixture(scope="module")
-def parity_results(tiny_hf_model_factory, engine_parity):
+def parity_results(tiny_hf_model_factory, engine_parity, make_logits_engine):
     """Run every family once; the tests below assert on the results."""
     results = {}
     for i, name in enumerate(FAMILIES):
         directory = _model_dir(tiny_hf_model_factory, name)
-        engine = LLMEngine(
+        engine = make_logits_engine(
             model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
             max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
         )
@@ -163,7 +161,7 @@ def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
 # Registry and config fields.
 # ---------------------------------------------------------------------------------------------
 def test_registry_covers_the_supported_model_types():
-    assert tuple(ARCHITECTURES) == SUPPORTED_MODEL_TYPES
+    assert SUPPORTED_MODEL_TYPES == tuple(ARCHITECTURES) == ("llama", "mistral", "qwen2", "qwen3", "gpt2")
     with pytest.raises(ValueError, match="bert.*supported: llama, mistral, qwen2, qwen3, gpt2"):
         architecture("bert")
 
@@ -173,48 +171,48 @@ _LLAMA_LIKE = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hid
 
 
 def test_qwen2_fields():
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "tie_word_embeddings": True,
-                                  "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 1})
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "qwen2", "tie_word_embeddings": True,
+                        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 1})
     assert (c.qkv_bias, c.o_bias, c.qk_norm, c.sliding_window, c.tie_word_embeddings) == (True, False, False, None, True)
     # use_sliding_window: only layers from max_window_layers on slide; all of them is supported...
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
-                                  "sliding_window": 32, "max_window_layers": 0})
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                        "sliding_window": 32, "max_window_layers": 0})
     assert c.sliding_window == 32
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
-                                  "sliding_window": 32, "layer_types": ["full_attention"] * 2})
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                        "sliding_window": 32, "layer_types": ["full_attention"] * 2})
     assert c.sliding_window is None
     # ... a mix is not (one scan, one static window), and says so.
     with pytest.raises(ValueError, match="some layers"):
-        ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
-                                  "sliding_window": 32, "max_window_layers": 1})
+        config_from_hf({**_LLAMA_LIKE, "model_type": "qwen2", "use_sliding_window": True,
+                        "sliding_window": 32, "max_window_layers": 1})
 
 
 def test_qwen3_and_mistral_fields():
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen3", "head_dim": 32})
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "qwen3", "head_dim": 32})
     assert (c.qk_norm, c.qkv_bias, c.o_bias, c.head_dim) == (True, False, False, 32)
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "qwen3", "attention_bias": True})
-    assert c.qkv_bias and c.o_bias and c.attention_bias
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": 4096})
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "qwen3", "attention_bias": True})
+    assert c.qkv_bias and c.o_bias
+    c = config_from_hf({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": 4096})
     assert (c.sliding_window, c.qk_norm, c.qkv_bias) == (4096, False, False)
-    assert ModelConfig.from_hf_dict({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+    assert config_from_hf({**_LLAMA_LIKE, "model_type": "mistral", "sliding_window": None}).sliding_window is None
 
 
 def test_gpt2_fields():
-    c = ModelConfig.from_hf_dict(dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
-                                      n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5,
-                                      activation_function="gelu_new", eos_token_id=50256))
+    c = config_from_hf(dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                            n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5,
+                            activation_function="gelu_new", eos_token_id=50256))
     assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
         768, 3072, 12, 12, 12, 64)
     assert (c.rms_norm_eps, c.max_position_embeddings, c.hidden_act, c.tie_word_embeddings) == (
         1e-5, 1024, "gelu_new", True)
     assert c.qkv_bias and c.o_bias and c.mlp_bias and c.eos_token_ids == (50256,)
     with pytest.raises(ValueError, match="scaled"):
-        ModelConfig.from_hf_dict(dict(model_type="gpt2", vocab_size=10, n_embd=64, n_layer=1, n_head=4,
-                                      scale_attn_by_inverse_layer_idx=True))
+        config_from_hf(dict(model_type="gpt2", vocab_size=10, n_embd=64, n_layer=1, n_head=4,
+                            scale_attn_by_inverse_layer_idx=True))
 
 
 def test_family_from_architectures_when_model_type_is_missing():
-    c = ModelConfig.from_hf_dict({**_LLAMA_LIKE, "architectures": ["Qwen3ForCausalLM"]})
+    c = config_from_hf({**_LLAMA_LIKE, "architectures": ["Qwen3ForCausalLM"]})
     assert c.model_type == "qwen3" and c.qk_norm
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
-        ModelConfig.from_hf_dict({**_LLAMA_LIKE, "hidden_act": "relu"})
+        config_from_hf({**_LLAMA_LIKE, "hidden_act": "relu"})

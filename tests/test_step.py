@@ -1,0 +1,121 @@
+"""run_step: one iteration through any StepRunner (no model here: the runners are fakes that
+look at the batch they get), and the engine stepping a runner it was handed (`make_runner`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_jax import SamplingParams
+from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.kv_cache import PageAllocator
+from orca_jax.runner import ModelRunner
+from orca_jax.sampling import SampleOutput
+from orca_jax.scheduler import Scheduler
+from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.step import StepFailed, recompute_running, run_step
+
+MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def make_scheduler(**settings) -> Scheduler:
+    config = EngineConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4, "num_pages": 32,
+                             "max_model_len": 64, **settings}).resolve(MODEL)
+    return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
+
+
+def add(scheduler: Scheduler, seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
+    seq = Sequence(seq_id, f"r{seq_id}", 0, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0)
+    scheduler.add(seq)
+    return seq
+
+
+class EchoPositionRunner:
+    """Samples, for each row, the position of the row's last scheduled token (so a test can
+    tell which row a token came from), and keeps every batch it ran."""
+
+    def __init__(self):
+        self.batches = []
+
+    def execute(self, batch):
+        self.batches.append(batch)
+        S = batch.logits_indices.shape[0]
+        tokens = batch.metadata.positions[batch.logits_indices].astype(np.int32)
+        return SampleOutput(tokens=tokens, logprobs=np.zeros(S, np.float32), top_ids=np.zeros((S, 0), np.int32),
+                            top_logprobs=np.zeros((S, 0), np.float32))
+
+
+def test_one_step_schedules_runs_and_postprocesses():
+    scheduler, runner = make_scheduler(), EchoPositionRunner()
+    short, long = add(scheduler, 0, 5, max_tokens=1), add(scheduler, 1, 20, max_tokens=4)
+    result = run_step(scheduler, runner, scheduler.config)
+    assert [(s.seq_id, n) for s, n in result.scheduled] == [(0, 5), (1, 11)]  # the 16-token budget
+    assert len(runner.batches) == 1 and runner.batches[0].input_ids.shape == (16,)
+    assert result.advanced == [(0, short)] and short.output_token_ids == [4], "row 0's token, position 4"
+    assert result.finished == [short] and short.finish_reason == "length", "max_tokens=1: done after one"
+    assert long.output_token_ids == [] and long.num_computed_tokens == 11, "a prefill chunk gets no token"
+    result = run_step(scheduler, runner, scheduler.config)
+    assert result.advanced == [(0, long)] and long.output_token_ids == [19]
+
+
+def test_nothing_to_schedule_is_no_step():
+    scheduler, runner = make_scheduler(), EchoPositionRunner()
+    assert run_step(scheduler, runner, scheduler.config) is None and runner.batches == []
+
+
+def test_a_failing_runner_leaves_the_step_unprocessed():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 0, 6, max_tokens=3)
+
+    class Broken:
+        def execute(self, batch):
+            raise RuntimeError("device lost")
+
+    with pytest.raises(StepFailed, match="RuntimeError: device lost") as failure:
+        run_step(scheduler, Broken(), scheduler.config)
+    assert failure.value.scheduled == [(seq, 6)] and isinstance(failure.value.cause, RuntimeError)
+    assert seq.num_computed_tokens == 0 and seq.output_token_ids == [], "postprocess did not run"
+    recompute_running(scheduler)
+    assert seq.status is SequenceStatus.WAITING and seq.page_ids == [] and scheduler.allocator.num_used == 0
+
+
+def test_the_stop_rule_is_applied_in_the_step():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 0, 6, max_tokens=8)
+    result = run_step(scheduler, EchoPositionRunner(), scheduler.config,
+                      stop_rule=lambda s, token: ("stop", token) if token == 5 else None)
+    assert result.finished == [seq] and (seq.finish_reason, seq.stop_reason) == ("stop", 5)
+
+
+def test_engine_steps_the_runner_it_is_given(tiny_llama_dir):
+    """The seam: `make_runner` builds the engine's runner; here the real one, wrapped to count
+    the batches, and keeping logits, whose argmax is what greedy sampling returned."""
+    from orca_jax.engine import LLMEngine
+
+    built = []
+
+    def make_runner(*args, **kwargs):
+        built.append(ModelRunner(*args, keep_logits=True, **kwargs))
+        return built[-1]
+
+    engine = LLMEngine(model=str(tiny_llama_dir), warmup=False, max_num_seqs=2, max_num_batched_tokens=16,
+                       min_token_bucket=16, page_size=8, num_pages=16, max_model_len=64, make_runner=make_runner)
+    assert built == [engine.runner]
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        step = engine.last_step
+        tokens.append(int(np.argmax(step.output.logits[0])))
+        assert step.advanced[0][1].output_token_ids[-1] == tokens[-1]
+    assert len(tokens) == 3 and engine.allocator.num_used == 0
+
+
+def test_serving_runner_returns_no_logits(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16, page_size=8,
+                                 num_pages=16, max_model_len=64)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.last_step.output.logits is None
+
