@@ -77,7 +77,9 @@ def abstract_variables(config: ModelConfig) -> dict[str, Any]:
         (config.num_layers, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim), jnp.float32
     )
     model = architecture(config.model_type).model_class(config)
-    return jax.eval_shape(model.init, jax.random.key(0), i32(T), kv_cache, metadata, i32(S))
+    # The key is made inside eval_shape too: made outside, it would be a concrete array, and a
+    # program (random seeding) would compile at every start for nothing.
+    return jax.eval_shape(lambda *args: model.init(jax.random.key(0), *args), i32(T), kv_cache, metadata, i32(S))
 
 
 @functools.lru_cache(maxsize=8)
