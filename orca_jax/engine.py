@@ -115,7 +115,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
         self.num_steps = 0
-        self.last_step: StepResult | None = None  # the latest model iteration (tests, introspection)
+        self.last_step: StepResult | None = None  # this step() call's iteration, if one ran (tests, introspection)
         # Seconds per start-up phase (and warm-up's program counts), for logs and `bench startup`.
         self.startup_timings: dict[str, float] = {
             "load_model_s": loaded_at - started,
@@ -257,6 +257,7 @@ class LLMEngine:
         tokens, or finished."""
         touched = {r.request_id: r for r in self._finished_outside_step}
         self._finished_outside_step.clear()
+        self.last_step = None  # set again only if this step runs
         try:
             result = run_step(self.scheduler, self.runner, self.config, self._stop_rule)
         except StepFailed as failure:  # one bad step must not take the engine down

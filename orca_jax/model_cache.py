@@ -222,6 +222,8 @@ class ModelCache:
             logger.warning("model cache entry %s is unreadable (%s: %s); rebuilding it", entry, type(exc).__name__, exc)
             return None
         fields = {f.name: getattr(opened, f.name) for f in dataclasses.fields(Checkpoint)}
+        # The key above proves which code wrote this tree; checking it again would cost a trace.
+        fields["verify_shapes"] = False
         return CachedCheckpoint(**fields), tokenizer
 
     def save_in_background(self, entry: Path, loaded, dtype: str, digest: str) -> threading.Thread:

@@ -12,12 +12,15 @@ stays in the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orca_jax.batch import Batch, build_batch
 from orca_jax.config import EngineConfig
 from orca_jax.sampling import SampleOutput
 from orca_jax.scheduler import ScheduledBatch, Scheduler, StepUpdate, StopRule
+
+if TYPE_CHECKING:  # the runner module imports the models; the protocol only names its report
+    from orca_jax.runner import WarmupReport
 
 
 class StepRunner(Protocol):
@@ -34,7 +37,7 @@ class EngineRunner(StepRunner, Protocol):
     kv_dtype: Any  # the cache's dtype, for the start-up log
     timings: dict[str, float]  # seconds per start-up phase
 
-    def warmup(self) -> Any: ...  # build every bucket's program before serving
+    def warmup(self) -> WarmupReport: ...  # build every bucket's program before serving
 
     @property
     def kv_cache_lost(self) -> bool: ...  # a failed step consumed the donated cache
@@ -58,8 +61,9 @@ class StepResult:
 
 
 class StepFailed(Exception):
-    """The runner raised on a batch; `scheduled` says which sequences were in it (nothing was
-    postprocessed, so their state is as before the step)."""
+    """The runner raised on a batch; `scheduled` says which sequences were in it. The schedule
+    stands (sequences admitted, pages allocated) but nothing was postprocessed: no token
+    appended, no cached count advanced."""
 
     def __init__(self, scheduled: ScheduledBatch, cause: BaseException):
         super().__init__(f"{type(cause).__name__}: {cause}")

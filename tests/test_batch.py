@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from orca_jax.batch import NO_TOKEN, Batch, build_batch, empty_batch, encode_prompt_history, token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.kernels.testing import ragged_metadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.sequence import Sequence
@@ -87,6 +88,21 @@ def test_mixed_batch_metadata():
         assert getattr(batch, name).dtype == np.int32, name
     for field in dataclasses.fields(batch.metadata):
         assert getattr(batch.metadata, field.name).dtype == np.int32, field.name
+
+
+def test_the_kernel_tests_build_their_metadata_as_build_batch_does():
+    """kernels/testing.py lays out the kernel tests' cases by hand (no scheduler there); it must
+    be the layout the engine sends, or the kernels would be tested on another contract."""
+    config = make_config()
+    a = make_seq(0, [11, 12, 13, 14, 15], output=[16, 17], computed=6, pages=[3, 7])
+    b = make_seq(1, list(range(100, 110)), computed=0, pages=[2, 5])
+    c = make_seq(2, list(range(200, 209)), computed=4, pages=[4, 6, 8])
+    scheduled = [(a, 1), (b, 6), (c, 5)]
+    built = build_batch(config, scheduled).metadata
+    by_hand = ragged_metadata([(n, s.num_computed_tokens + n) for s, n in scheduled], built.page_table.copy(),
+                              built.kv_lens.copy(), page_size=config.page_size, num_tokens=built.positions.shape[0])
+    for field in dataclasses.fields(built):
+        np.testing.assert_array_equal(getattr(by_hand, field.name), getattr(built, field.name), err_msg=field.name)
 
 
 def test_sampling_rows():

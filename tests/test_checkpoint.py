@@ -139,6 +139,16 @@ def test_a_marker_with_fields_since_removed_still_opens(broken_copy, ckpt_dir):
     assert not hasattr(opened.config, "bos_token_id")
 
 
+@pytest.mark.parametrize("field, value", [("model_type", "mamba"), ("hidden_act", "relu_squared")])
+def test_a_marker_for_a_model_this_version_cannot_run_is_refused_at_open(broken_copy, field, value):
+    marker = broken_copy / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    meta["model_config"][field] = value
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot run: unsupported {field} '{value}'"):
+        checkpoint.open_checkpoint(broken_copy)
+
+
 def test_unknown_format_version_refused(broken_copy):
     marker = broken_copy / checkpoint.MARKER
     marker.write_text(json.dumps(dict(json.loads(marker.read_text()), format_version=99)))

@@ -2,7 +2,7 @@
 
 The engine's own step (`orca_jax.step.run_step`: the real `Scheduler`, `PageAllocator`,
 `build_batch` and postprocess) runs on a virtual clock, with a runner that stands in for the
-model (`CostModelRunner`: every sampled token is 0, EOS is ignored). Before each step the
+model (`ZeroTokenRunner`: every sampled token is 0, EOS is ignored). Before each step the
 requests whose arrival time has passed join the scheduler; each step advances the clock by the
 cost model's step time (cost_model.py) for the batch it ran; postprocess appends a token to
 every sequence that completed its tokens and retires one that reached its drawn length.

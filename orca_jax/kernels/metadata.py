@@ -27,14 +27,6 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]: offsets of each sequence's query tokens in T
     num_seqs: jax.Array  # i32[1]: real sequences; rows past it are padding
 
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.page_table.shape[0]
-
     def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
         """The same step pointed at one layer's pages of the flat all-layer cache, where layer
         l's page p is page `l * pages_per_layer + p` (`layer` may be traced: the scan index)."""

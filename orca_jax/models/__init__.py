@@ -19,7 +19,7 @@ from orca_jax import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gpt2, llama
-from orca_jax.models.layers import ACTIVATIONS
+from orca_jax.models.layers import ACTIVATIONS, activation
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,14 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """A transformers `config.json` dict -> ModelConfig, read by its family's parser. The family
     comes from `model_type`, else from `architectures`, else Llama."""
     model_type = _model_type_from_hf(cfg)
-    return _check_supported(architecture(model_type).config_from_hf(cfg, model_type))
+    return check_supported(architecture(model_type).config_from_hf(cfg, model_type))
 
 
-def _check_supported(config: ModelConfig) -> ModelConfig:
-    """`config` itself, once its family and activation are known to the registries."""
+def check_supported(config: ModelConfig) -> ModelConfig:
+    """`config` itself, once its family and activation are known to the registries (every
+    config from outside passes here: HF, GGUF, a checkpoint's marker). Raises ValueError."""
     architecture(config.model_type)
-    if config.hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(
-            f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
-        )
+    activation(config.hidden_act)
     return config
 
 

@@ -88,8 +88,9 @@ def test_sliding_window_edges_at_kv_block_boundaries(window):
     run_and_compare(case, sm_scale=0.125, sliding_window=window, tol=TOLERANCES["float32"])
 
 
-def test_padding_layout_of_build_batch():
-    """Padding as build_batch writes it: rows past num_seqs have kv_len 0, page 0 only, and
+def test_padding_rows_as_build_batch_writes_them():
+    """Padding as build_batch writes it (tests/test_batch.py checks that the case builder lays
+    out metadata as build_batch does): rows past num_seqs have kv_len 0, page 0 only, and
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
     case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=8, pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)

@@ -166,6 +166,7 @@ def test_second_load_restores_without_parsing(tiny_gguf, tmp_path, no_parsing, d
     no_parsing()
     second = load_model(tiny_gguf, dtype=dtype, cache_dir=cache_dir)
     assert isinstance(second.params, model_cache.CachedCheckpoint)
+    assert not second.params.verify_shapes, "its key vouches for the tree: no trace of the model at start"
     assert second.config == first.config and second.source == str(tiny_gguf)
     assert {"cache_hash_s", "cache_restore_open_s", "tokenizer_s"} <= set(second.timings)
     assert "gguf_parse_s" not in second.timings
