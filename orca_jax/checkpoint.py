@@ -115,23 +115,12 @@ class Checkpoint:
         import orbax.checkpoint as ocp
 
         dtype = jnp.dtype(dtype or self.dtype)
-        params_dir = (self.path / PARAMS_DIR).absolute()
         start = time.perf_counter()
-        try:
-            with ocp.StandardCheckpointer() as checkpointer:
-                saved = checkpointer.metadata(params_dir)
-                # orbax versions differ in how they wrap the tree of array metadata.
-                saved = getattr(saved, "item_metadata", saved)
-                saved = getattr(saved, "tree", saved)
-                target = _restore_targets(saved, dtype, mesh, self.config, kv_head_repeats)
-                params = checkpointer.restore(params_dir, target)
-        except Exception as exc:  # orbax, tensorstore and OS errors alike: name the checkpoint
-            raise CheckpointError(f"could not restore orbax checkpoint {params_dir}: {type(exc).__name__}: {exc}") from exc
-        if self.verify_shapes:
-            _check_shapes(params, self.config, self.path)
+        params = self._read(ocp.StandardCheckpointer(), lambda checkpointer, params_dir, saved: checkpointer.restore(
+            params_dir, _restore_targets(saved, dtype, mesh, self.config, kv_head_repeats)))
         if kv_head_repeats > 1:
             params = _repeat_kv_heads_on_device(params, self.config, mesh, kv_head_repeats)
-        logger.info("restored %s in %.2f s", params_dir, time.perf_counter() - start)
+        logger.info("restored %s in %.2f s", self.path / PARAMS_DIR, time.perf_counter() - start)
         return params
 
     def restore_host(self, dtype=None) -> dict:
@@ -139,14 +128,24 @@ class Checkpoint:
         import orbax.checkpoint as ocp
 
         dtype = jnp.dtype(dtype or self.dtype)
+
+        def as_numpy(checkpointer, params_dir, saved):
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), saved)
+            return checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+        return self._read(ocp.Checkpointer(ocp.PyTreeCheckpointHandler()), as_numpy)
+
+    def _read(self, checkpointer, restore) -> dict:
+        """`restore(checkpointer, params_dir, saved array metadata)` with any failure named as
+        this checkpoint's, then the tree checked against the model (unless `verify_shapes` is off)."""
         params_dir = (self.path / PARAMS_DIR).absolute()
         try:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            with checkpointer:
                 saved = checkpointer.metadata(params_dir)
+                # orbax versions differ in how they wrap the tree of array metadata.
                 saved = getattr(saved, "item_metadata", saved)
                 saved = getattr(saved, "tree", saved)
-                restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), saved)
-                params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+                params = restore(checkpointer, params_dir, saved)
         except Exception as exc:  # orbax, tensorstore and OS errors alike: name the checkpoint
             raise CheckpointError(f"could not restore orbax checkpoint {params_dir}: {type(exc).__name__}: {exc}") from exc
         if self.verify_shapes:
