@@ -81,17 +81,25 @@ def save_checkpoint(out_dir: str | Path, params: dict, tokenizer, config: ModelC
 
 def place_host_params(params: dict, dtype, mesh: Mesh | None = None, kv_head_repeats: int = 1, *,
                       config: ModelConfig | None = None) -> dict:
-    """Host (numpy) parameters -> jax.Arrays in `dtype`, placed as the runner places converted
-    weights: on the default device (uncommitted), or sharded over `mesh` with K/V heads repeated
-    `kv_head_repeats` times, each weight as the model of `config` declares it (needed with a
-    mesh). Consumes `params` on the sharded path."""
+    """Host (numpy) parameters -> jax.Arrays in `dtype`: on the default device (uncommitted), or
+    sharded over `mesh` with K/V heads repeated `kv_head_repeats` times, each weight as the model
+    of `config` declares it (needed with a mesh). The one placement of converted weights (the
+    runner's, the model cache's, convert's). Consumes `params`: each host array is dropped as
+    soon as its copy exists, so the peak is one copy of the weights, not two (on a first start
+    from a GGUF file the model cache's background save holds its own host copy until written)."""
     if mesh is None:
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        return _to_device_consuming(params, dtype)
     if config is None:
         raise ValueError("placing parameters on a mesh needs the model config (its weights declare their sharding)")
     logical = logical_specs(config)
     params = parallel.repeat_kv_heads(params, logical, kv_head_repeats)
     return parallel.place_params(params, parallel.param_shardings(params, mesh, logical), dtype)
+
+
+def _to_device_consuming(tree: dict, dtype) -> dict:
+    for key, value in tree.items():
+        tree[key] = _to_device_consuming(value, dtype) if isinstance(value, dict) else jnp.asarray(value, dtype)
+    return tree
 
 
 # ---- reading ----------------------------------------------------------------------------------

@@ -67,15 +67,6 @@ def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, params, k
     return kv_cache, out
 
 
-def to_device_consuming(tree: dict, dtype) -> dict:
-    """Move a nested dict of numpy arrays to the device, dropping each host array as soon as
-    its copy exists (peak memory: one copy of the weights, not two; on a first start from a
-    GGUF file the model cache's background save holds its own host copy until it is written)."""
-    for key, value in tree.items():
-        tree[key] = to_device_consuming(value, dtype) if isinstance(value, dict) else jnp.asarray(value, dtype)
-    return tree
-
-
 class ModelRunner:
     """Owns the weights, the KV cache and the compiled step programs.
 
@@ -131,12 +122,8 @@ class ModelRunner:
         self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
 
     def _place_params(self, params, model_config: ModelConfig, tp: int):
-        if self.mesh is None:
-            if not isinstance(params, dict):  # a checkpoint: restore onto the one device
-                return params.restore(self.dtype)
-            return to_device_consuming(params, self.dtype)
-        repeats = parallel.kv_head_repeats(model_config, tp)
-        if not isinstance(params, dict):
+        repeats = parallel.kv_head_repeats(model_config, tp) if self.mesh is not None else 1
+        if not isinstance(params, dict):  # a checkpoint: restored straight into the placement
             return params.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
         return checkpoint.place_host_params(params, self.dtype, self.mesh, repeats, config=model_config)
 

@@ -179,11 +179,9 @@ def test_second_load_restores_without_parsing(tiny_gguf, tmp_path, no_parsing, d
 def test_restored_params_are_placed_like_converted_ones(tiny_gguf, tmp_path):
     """Same placement, same step programs: a start from the cache reuses what the converting
     start compiled into the persistent compilation cache (committed arrays would change the HLO)."""
-    from orca_jax.runner import to_device_consuming
-
     cache_dir = tmp_path / "cache"
     _, expected = _first_load(tiny_gguf, cache_dir)
-    converted = to_device_consuming(_host(expected), jnp.float32)
+    converted = checkpoint.place_host_params(_host(expected), jnp.float32)  # as the runner places them
     restored = load_model(tiny_gguf, cache_dir=cache_dir).params.restore("float32")
     step = jax.jit(lambda params, x: params["params"]["embed"] @ x + params["params"]["final_norm"]["scale"].sum())
     x = jnp.ones(HIDDEN)
