@@ -18,6 +18,12 @@ While no request is live the engine thread sleeps on the condition; it never pol
 go back to the event loop in one callback per step, so a stream is only ever touched by the
 loop that reads it. An abort frees the request's pages at the next step boundary, whichever
 thread asked for it.
+
+The engine thread's own work per step does not grow with the number of running requests
+beyond the outputs of the step: the stats snapshot reads the scheduler's request counters.
+A stream holds at most one unread output: one that arrives before the reader took the previous
+one is merged into it (`merge_outputs`), so a reader that lags behind gets one output covering
+all the steps it missed, rather than a queue of them to work through.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 
 from orca_jax.engine import LLMEngine
 from orca_jax.errors import RequestError
-from orca_jax.outputs import RequestOutput
+from orca_jax.outputs import RequestOutput, merge_outputs
 from orca_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,16 +76,31 @@ class EngineStats:
 
 class RequestStream:
     """The outputs of one request, in order, as an async iterator that ends after the output
-    marked finished. An output carrying an error raises RequestFailedError instead."""
+    marked finished. An output carrying an error raises RequestFailedError instead.
 
-    def __init__(self, request_id: str, on_abort: Callable[[str], None]):
+    It collects rather than queues (vLLM's output collector): outputs that arrive while the
+    reader is busy are merged into the one unread output, as `output_kind` says ("delta"
+    outputs are concatenated, the others replaced by the newer one, their deltas kept), so
+    what a reader takes covers every step since its previous read. An error put after
+    outputs is raised once they have been read."""
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None], output_kind: str = "cumulative"):
         self.request_id = request_id
         self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._on_abort = on_abort
+        self._merge_deltas = output_kind == "delta"
+        self._unread: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()  # set when there is something to read
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        elif self._unread is None:
+            self._unread = item
+        else:
+            self._unread = merge_outputs(self._unread, item, self._merge_deltas)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -87,10 +108,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while self._unread is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self._unread = self._unread, None
+        if item is None:
             self.finished = True
-            raise item
+            raise self._error
         if item.finished:
             self.finished = True
             if item.error:
@@ -209,7 +233,8 @@ class AsyncLLMEngine:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
             self._inbox.adds.append(_PendingAdd(list(requests), admitted))
             self._cond.notify()
-        streams = [RequestStream(request_id, self.abort) for request_id in ids]
+        streams = [RequestStream(request_id, self.abort, getattr(params, "output_kind", "cumulative"))
+                   for request_id, _, params in requests]
         self._streams.update(zip(ids, streams))
         try:
             await admitted
@@ -309,7 +334,7 @@ class AsyncLLMEngine:
         self._call_in_loop(_resolve, pending.admitted, error)
 
     def _step(self) -> None:
-        steps_before = self.engine.num_steps
+        steps_before = (self.engine.num_steps, self.engine.num_dispatched)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the engine thread must survive
@@ -324,9 +349,10 @@ class AsyncLLMEngine:
         self._observe(outputs)
         if outputs:
             self._call_in_loop(self._deliver, outputs)
-        elif self.engine.num_steps == steps_before:
-            # Live requests, yet nothing could be scheduled and nothing was reported. The
-            # scheduler should never leave it so; if it does, wait rather than spin.
+        elif (self.engine.num_steps, self.engine.num_dispatched) == steps_before:
+            # Live requests, yet nothing could be scheduled, completed or reported (an
+            # overlapped step() that only dispatched is progress). The scheduler should never
+            # leave it so; if it does, wait rather than spin.
             with self._cond:
                 self._cond.wait(_FAULT_BACKOFF_S)
 
@@ -358,10 +384,16 @@ class AsyncLLMEngine:
                 logger.exception("on_output callback failed")
 
     def _snapshot(self) -> EngineStats:
+        """O(1): the scheduler counts its running and waiting requests as they move."""
         scheduler, allocator = self.engine.scheduler, self.engine.allocator
+        num_running = getattr(scheduler, "num_running_requests", None)
+        num_waiting = getattr(scheduler, "num_waiting_requests", None)
+        if num_running is None or num_waiting is None:  # a scheduler without the counters
+            num_running = len({seq.request_id for seq in scheduler.running})
+            num_waiting = len({seq.request_id for seq in scheduler.waiting})
         return EngineStats(
-            num_running=len({seq.request_id for seq in scheduler.running}),
-            num_waiting=len({seq.request_id for seq in scheduler.waiting}),
+            num_running=num_running,
+            num_waiting=num_waiting,
             kv_pages_used=allocator.num_used,
             kv_pages_total=allocator.num_usable,
             num_preemptions=scheduler.num_preemptions,

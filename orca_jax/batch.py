@@ -1,10 +1,14 @@
-"""Batch: everything one step needs from the host, as flat int/float arrays padded to buckets.
+"""Batch: what the model and the sampler of one step read, as flat arrays padded to buckets.
 
-Built in numpy once per step and handed to the jitted step as a pytree: the token ids, the
-attention metadata (`orca_jax.kernels.metadata.AttentionMetadata`, the ragged structure that
-RoPE, the KV write and attention read), the row of each sequence's last token, and the
-per-row sampling parameters. Shapes depend only on the token bucket T (and through it the
-sequence bucket S), so each bucket is one program.
+The token ids, the attention metadata (`orca_jax.kernels.metadata.AttentionMetadata`, the
+ragged structure that RoPE, the KV write and attention read), the row of each sequence's last
+token, and the per-row sampling parameters. Shapes depend only on the token bucket T (and
+through it the sequence bucket S), so each bucket is one program.
+
+The engine's step program builds its Batch on the device, from the persistent per-slot state
+and a small per-step delta (`orca_jax.batch_state.expand`). `build_batch` here builds the same
+Batch in numpy from the host's view of the schedule: the reference that expand is tested
+against, and the form hand-made model and kernel tests use.
 """
 
 from __future__ import annotations
@@ -21,15 +25,11 @@ from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.scheduler import ScheduledBatch
 
-# Penalty history encoding: generated token t is stored as t, prompt token t as -(t + 2),
-# and -1 marks an empty slot. One int array carries both sets without knowing the vocabulary.
-NO_TOKEN = -1
+# input_ids entry of a token the host does not hold: a sampled token still on the device (the
+# step program takes it from the persistent batch state, orca_jax.batch_state).
+PENDING_TOKEN = -1
 # The largest top_k a row carries: past every vocabulary, so a larger one means the same.
 TOP_K_CAP = np.iinfo(np.int32).max
-
-
-def encode_prompt_history(token_ids) -> np.ndarray:
-    return -(np.asarray(token_ids, np.int32) + 2)
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,6 @@ class SamplingInputs:
     repetition_penalty: np.ndarray  # f32[S]
     seeds: np.ndarray  # u32[S]; per-sequence seed
     sample_index: np.ndarray  # i32[S]; which output token this is, folded into the seed
-    # Token history for penalties, i32[S, max_model_len], encoded as described at NO_TOKEN.
-    # Only filled for rows that use penalties.
-    history: np.ndarray
     want_logprobs: np.ndarray  # bool[S]
 
 
@@ -83,8 +80,12 @@ def empty_batch(config: EngineConfig, num_tokens: int) -> Batch:
     return build_batch(config, [], bucket=num_tokens)
 
 
-def build_batch(config: EngineConfig, scheduled: ScheduledBatch, bucket: int | None = None) -> Batch:
-    total = sum(n for _, n in scheduled)
+def build_batch(config: EngineConfig, scheduled: ScheduledBatch | list, bucket: int | None = None) -> Batch:
+    """`scheduled` as schedule() returns it, or (sequence, new tokens) pairs of sequences whose
+    cached counts have not been advanced (hand-made tests)."""
+    if not isinstance(scheduled, ScheduledBatch):
+        scheduled = ScheduledBatch.of(scheduled)
+    total = scheduled.num_tokens
     T = bucket or token_bucket(config, max(total, 1))
     S = config.seq_bucket(T)
     page_size = config.page_size
@@ -98,11 +99,12 @@ def build_batch(config: EngineConfig, scheduled: ScheduledBatch, bucket: int | N
     cu_q_lens[0] = 0
 
     start = 0
-    for row, (seq, n_new) in enumerate(scheduled):
-        first = seq.num_computed_tokens
+    for row, (seq, n_new, first) in enumerate(zip(scheduled.seqs, scheduled.num_new, scheduled.starts)):
         pos = np.arange(first, first + n_new, dtype=np.int32)
         pages = np.asarray(seq.page_ids, np.int32)
-        input_ids[start:start + n_new] = seq.tokens(first, first + n_new)
+        known = seq.tokens(first, min(first + n_new, seq.num_tokens))
+        input_ids[start:start + len(known)] = known
+        input_ids[start + len(known):start + n_new] = PENDING_TOKEN
         positions[start:start + n_new] = pos
         slot_mapping[start:start + n_new] = pages[pos // page_size] * page_size + pos % page_size
         page_table[row, :len(pages)] = pages
@@ -138,10 +140,9 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
         repetition_penalty=np.ones(S, np.float32),
         seeds=np.zeros(S, np.uint32),
         sample_index=np.zeros(S, np.int32),
-        history=np.full((S, config.max_model_len), NO_TOKEN, np.int32),
         want_logprobs=np.zeros(S, bool),
     )
-    for row, (seq, _) in enumerate(scheduled):
+    for row, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
         p = seq.params
         inputs.temperature[row] = p.temperature
         # Any top_k at least the vocabulary keeps it all; the cap keeps it an int32.
@@ -152,11 +153,8 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
         inputs.frequency_penalty[row] = p.frequency_penalty
         inputs.repetition_penalty[row] = p.repetition_penalty
         inputs.seeds[row] = seq.seed & 0xFFFFFFFF
-        inputs.sample_index[row] = len(seq.output_token_ids)
+        # The pending tokens come first (this row's own is among them once schedule() counted it).
+        inputs.sample_index[row] = len(seq.output_token_ids) + seq.num_pending - (samples and scheduled.pending_counted)
         inputs.want_logprobs[row] = p.logprobs is not None
-        if p.uses_penalties:
-            n_prompt, n_out = seq.num_prompt_tokens, len(seq.output_token_ids)
-            inputs.history[row, :n_prompt] = encode_prompt_history(seq.prompt_token_ids)
-            inputs.history[row, n_prompt:n_prompt + n_out] = seq.output_token_ids
     return inputs
 

@@ -12,6 +12,7 @@ Both take `--config PRESET` (configs/*.toml, see orca_jax/presets.py); flags ove
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -29,7 +30,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
-                "scheduling", "compilation_cache_dir", "model_cache_dir")
+                "scheduling", "async_scheduling", "compilation_cache_dir", "model_cache_dir")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
 CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_cache": "model_cache_dir"}
 
@@ -70,6 +71,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {EngineConfig.gpu_memory_utilization}; unused on CPU)")
     parser.add_argument("--scheduling", default=None, choices=["iteration", "request"],
                         help="iteration-level (Orca) or request-level static batching (default: iteration)")
+    parser.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                        help="overlap the host's work with the device: dispatch step N+1 before reading step "
+                             "N's tokens (same outputs); --no-async-scheduling runs one step at a time "
+                             "(default: on)")
     caches = parser.add_argument_group("caches (a second start reuses compiled programs and converted weights)")
     caches.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                         help="JAX persistent compilation cache (default: ~/.cache/orca_jax/xla, "
@@ -163,6 +168,11 @@ def cmd_serve(args) -> int:
         multihost.follow(engine.runner, multihost.StepChannel(engine.config))
         return 0
     engine = LLMEngine(config)  # warm-up compiles every bucket before the port opens
+    # The engine lives as long as the process: its objects (weights' host copies, modules,
+    # programs) leave the collector's generations, so collections while serving scan only
+    # what serving allocates (vLLM freezes its heap the same way).
+    gc.collect()
+    gc.freeze()
     settings = ServerSettings(
         model_name=_served_model_name(args, config), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
     )

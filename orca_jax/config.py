@@ -108,6 +108,10 @@ class EngineConfig:
     attention_impl: str = "auto"
     tensor_parallel_size: int = 1
     scheduling: Literal["iteration", "request"] = "iteration"
+    # Overlapped steps (vLLM's async scheduling): the engine dispatches step N+1 before it
+    # reads step N's tokens, so the host's work hides behind the device's. Outputs are the
+    # same either way; False runs one step at a time.
+    async_scheduling: bool = True
     max_logprobs: int = 20
     min_token_bucket: int = 8
     seed: int = 0
@@ -138,6 +142,8 @@ class EngineConfig:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
             errors.append(f"num_pages must be >= 2 (page 0 is the padding sink), got {self.num_pages}")
+        if not isinstance(self.async_scheduling, bool):
+            errors.append(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             errors.append(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

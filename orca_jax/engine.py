@@ -1,7 +1,17 @@
 """LLMEngine: the one host loop. Each `step()` is
 
-    run_step (orca_jax/step.py: schedule -> build_batch -> runner.execute -> scheduler.postprocess,
-    which appends tokens, applies the stop rules and retires) -> outputs (log-probs, text deltas)
+    dispatch step N+1 (orca_jax/step.py: schedule -> runner.dispatch, which builds the step's
+        small inputs and enqueues its program without waiting)
+    complete step N   (wait for its tokens -> scheduler.postprocess, which appends them, applies
+        the stop rules and retires) -> outputs (log-probs, text deltas)
+
+With `async_scheduling` (the default) one step stays in flight: step N+1 is dispatched before
+step N is completed, so the device runs N+1 while the host postprocesses N and then schedules
+and builds N+2. The device feeds each sampled token to the next step itself (the persistent
+batch state, orca_jax/batch_state.py), so N+1 needs nothing from N's result. A sequence that
+N ends (EOS, stop string, max tokens) has one more token computed in N+1; postprocess discards
+it, and its pages were freed with the sequence. With async_scheduling=False each call
+dispatches a step and completes it: the same tokens, one step at a time.
 
 Requests enter with `add_request` (validated there, so a bad request fails alone, before it
 touches the scheduler) and leave when every sample has finished or on `abort`.
@@ -14,8 +24,8 @@ import ctypes
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -23,17 +33,20 @@ import numpy as np
 from orca_jax import multihost, parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
-from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
-from orca_jax.outputs import CompletionOutput, RequestOutput
+from orca_jax.outputs import RequestOutput
+from orca_jax.request import Request, make_output
 from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import Scheduler
 from orca_jax.sequence import Sequence
-from orca_jax.step import EngineRunner, StepFailed, StepResult, recompute_running, run_step
+from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,
+                           recompute_running)
+from orca_jax.step_timing import StepTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +62,6 @@ def release_free_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    arrival_time: float = field(default_factory=time.monotonic)
-    error: str | None = None
-    reported_tokens: list[int] = field(default_factory=list)  # per sample, tokens already streamed
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -114,8 +110,13 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
-        self.num_steps = 0
-        self.last_step: StepResult | None = None  # this step() call's iteration, if one ran (tests, introspection)
+        self._in_flight: deque[InFlightStep] = deque()  # dispatched, not yet completed (oldest first)
+        self.num_steps = 0  # steps completed (or failed)
+        self.num_dispatched = 0
+        self.last_step: StepResult | None = None  # the step this step() call completed, if any (tests, introspection)
+        self.timeline = StepTimeline()
+        self._completed_timing = None
+        self._detokenize_s = 0.0  # per-step host parts and device timestamps, while enabled (bench host)
         # Seconds per start-up phase (and warm-up's program counts), for logs and `bench startup`.
         self.startup_timings: dict[str, float] = {
             "load_model_s": loaded_at - started,
@@ -139,12 +140,13 @@ class LLMEngine:
         logger.info(
             "engine: model %s (%s, %d layers), dtype %s, kv cache dtype %s, attention %s, max_model_len %d%s, "
             "max_num_seqs %d, max_num_batched_tokens %d, token buckets %s, page_size %d, KV pool %d pages "
-            "(%d tokens), scheduling %s, tensor_parallel_size %d, compilation cache %s",
+            "(%d tokens), scheduling %s, async scheduling %s, tensor_parallel_size %d, compilation cache %s",
             c.model or "default", self.model_config.model_type, self.model_config.num_layers, c.dtype,
             self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
             " (the model's)" if c.max_model_len == self.model_config.max_position_embeddings else "",
             c.max_num_seqs, c.max_num_batched_tokens, list(c.token_buckets), c.page_size, self.allocator.num_pages,
-            self.allocator.num_usable * c.page_size, c.scheduling, c.tensor_parallel_size,
+            self.allocator.num_usable * c.page_size, c.scheduling, "on" if c.async_scheduling else "off",
+            c.tensor_parallel_size,
             active_cache_dir() or "off",
         )
 
@@ -182,7 +184,7 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
             for _ in seqs
         ]
-        return Request(request_id, text, token_ids, params, seqs, detoks, reported_tokens=[0] * params.n)
+        return Request(request_id, text, token_ids, params, seqs, detoks)
 
     def _queue(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -249,58 +251,114 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step) or bool(self._in_flight)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One model iteration. Returns an output for every request that produced new text or
-        tokens, or finished."""
+        """One model iteration: dispatch the next step, and complete the one before it (async
+        scheduling) or this one (sync). Returns an output for every request that produced new
+        text or tokens, or finished (an async call that only dispatched returns the aborts)."""
         touched = {r.request_id: r for r in self._finished_outside_step}
         self._finished_outside_step.clear()
-        self.last_step = None  # set again only if this step runs
-        try:
-            result = run_step(self.scheduler, self.runner, self.config, self._stop_rule)
-        except StepFailed as failure:  # one bad step must not take the engine down
-            result = None
-            self.num_steps += 1
-            for request in self._fail_step(failure):
-                touched[request.request_id] = request
-        if result is not None:
-            self.num_steps += 1
-            self.last_step = result
-            for request in self._record_new_tokens(result):
-                touched[request.request_id] = request
-        outputs = [self._make_output(r) for r in touched.values()]
+        self.last_step = None  # set again only if a step completes
+        dispatched = self._dispatch(touched)
+        in_flight_wanted = 1 if self.config.async_scheduling else 0
+        # With nothing new to dispatch, whatever is in flight completes now; and once no
+        # request is left, so does the step that only computed discarded tokens, so that an
+        # engine with no requests has no device work pending either.
+        while self._in_flight and (len(self._in_flight) > in_flight_wanted or not dispatched
+                                   or not self.scheduler.has_unfinished()):
+            self._complete(self._in_flight.popleft(), touched)
+        started = time.perf_counter()
+        outputs = [o for r in touched.values() if (o := make_output(r)) is not None]
         for r in touched.values():
             if r.finished:
                 del self.requests[r.request_id]
+        if self.last_step is not None and self._completed_timing is not None:
+            self._completed_timing.outputs_s = time.perf_counter() - started
         return outputs
 
-    def _stop_rule(self, seq: Sequence, token: int):
-        """EOS, stop token ids, stop strings, in that order (the length limit is the
-        scheduler's). Feeds the token to the detokenizer, which finds stop strings."""
-        params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if token in params.stop_token_ids:
-            return "stop", token
-        stop_str = self.requests[seq.request_id].detokenizers[seq.index].add_token(token)
-        if stop_str is not None:
-            return "stop", stop_str
-        return None
+    def _dispatch(self, touched: dict[str, Request]) -> bool:
+        """Schedule and dispatch the next step. False when nothing could be dispatched."""
+        mode = "async" if self.config.async_scheduling else "sync"
+        gc_before = self.timeline.gc_seconds()
+        try:
+            step = dispatch_step(self.scheduler, self.runner, self.timeline, self.num_dispatched, mode)
+        except StepFailed as failure:  # one bad step must not take the engine down
+            # Steps already in flight ran on the state before this one: their tokens stand.
+            while self._in_flight:
+                self._complete(self._in_flight.popleft(), touched)
+            self.num_steps += 1
+            for request in self._fail_step(failure):
+                touched[request.request_id] = request
+            return False
+        if step is None:
+            return False
+        if step.timing is not None:
+            step.timing.gc_s = self.timeline.gc_seconds() - gc_before
+        self.num_dispatched += 1
+        self._in_flight.append(step)
+        return True
+
+    def _complete(self, step: InFlightStep, touched: dict[str, Request]) -> None:
+        """Wait for a dispatched step, postprocess it, record its tokens."""
+        gc_before = self.timeline.gc_seconds()
+        self._detokenize_s = 0.0
+        try:
+            result = complete_step(self.scheduler, step, self._stop_rule)
+        except StepFailed as failure:
+            self.num_steps += 1
+            for request in self._fail_step(failure):
+                touched[request.request_id] = request
+            return
+        self.num_steps += 1
+        self.last_step = result
+        for request in self._record_new_tokens(result):
+            touched[request.request_id] = request
+        self._completed_timing = step.timing
+        if step.timing is not None:
+            step.timing.detokenize_s = self._detokenize_s
+            step.timing.postprocess_s -= self._detokenize_s
+            step.timing.gc_s += self.timeline.gc_seconds() - gc_before
+
+    def _stop_rule(self, seqs: list[Sequence], tokens: list[int]):
+        """Per sequence that got a token: EOS, stop token ids, then stop strings (the length
+        limit is the scheduler's). The tokens that neither ends are detokenized, which finds
+        the stop strings."""
+        stops: list = [None] * len(seqs)
+        text_rows = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            params = seq.params
+            if not params.ignore_eos and token in self.eos_token_ids:
+                stops[i] = ("stop", None)
+            elif token in params.stop_token_ids:
+                stops[i] = ("stop", token)
+            else:
+                text_rows.append(i)
+        started = time.perf_counter()
+        detoks = [self.requests[seqs[i].request_id].detokenizers[seqs[i].index] for i in text_rows]
+        for i, stop_str in zip(text_rows, detokenize_step(detoks, [tokens[i] for i in text_rows])):
+            if stop_str is not None:
+                stops[i] = ("stop", stop_str)
+        self._detokenize_s += time.perf_counter() - started
+        return stops
 
     def _record_new_tokens(self, result: StepResult) -> list[Request]:
         """First-token times and log-probabilities of the sequences that got a token; the
         held-back text of those that finished other than on a stop string is released."""
         now, out, touched = time.monotonic(), result.output, []
-        for row, seq in result.advanced:
+        wanting = [(row, seq) for row, seq in result.advanced if seq.params.logprobs is not None]
+        if wanting:  # one host conversion per step, not one per element
+            rows = [row for row, _ in wanting]
+            ids, lps, chosen = out.top_ids[rows].tolist(), out.top_logprobs[rows].tolist(), out.logprobs[rows].tolist()
+            for j, (_, seq) in enumerate(wanting):
+                k = seq.params.logprobs
+                top = dict(zip(ids[j][:k], lps[j][:k]))
+                top[seq.output_token_ids[-1]] = chosen[j]
+                seq.output_logprobs.append(top)
+        for _, seq in result.advanced:
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            k = seq.params.logprobs
-            if k is not None:
-                top = {int(i): float(lp) for i, lp in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])}
-                top[seq.output_token_ids[-1]] = float(out.logprobs[row])
-                seq.output_logprobs.append(top)
             touched.append(self.requests[seq.request_id])
         for seq in result.finished:
             if not isinstance(seq.stop_reason, str):
@@ -308,49 +366,26 @@ class LLMEngine:
         return touched
 
     def _fail_step(self, failure: StepFailed) -> list[Request]:
-        """A step raised: fail the requests in it, keep the others. The KV cache was donated to
-        the failed call, so rebuild it and let every other running sequence recompute."""
+        """A step raised: fail the requests in it, keep the others. If the failed call consumed
+        the donated cache and state, or steps dispatched after it built on its state, those
+        steps are dropped, the cache and state rebuilt, and every running sequence recomputes."""
         scheduled = failure.scheduled
-        logger.error("step failed; aborting %d request(s) in it", len({s.request_id for s, _ in scheduled}),
+        logger.error("step failed; aborting %d request(s) in it", len({s.request_id for s in scheduled.seqs}),
                      exc_info=failure.cause)
-        failed = {seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled}
+        failed = {seq.request_id: self.requests[seq.request_id] for seq in scheduled.seqs
+                  if seq.request_id in self.requests}
         for request in failed.values():
             request.error = str(failure)
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
-        if self.runner.kv_cache_lost:
+        if self.runner.kv_cache_lost or (failure.dispatched and self._in_flight):
+            for dropped in reversed(self._in_flight):
+                self.scheduler.unschedule(dropped.scheduled)
+            self._in_flight.clear()
             self.runner.reset_kv_cache()
             recompute_running(self.scheduler)
         return list(failed.values())
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
-            new_tokens = seq.output_token_ids[request.reported_tokens[i]:]
-            request.reported_tokens[i] = len(seq.output_token_ids)
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=detok.text,
-                token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                delta_text=detok.take_delta(seq.is_finished),
-                delta_token_ids=new_tokens,
-            ))
-        first_times = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.finished,
-            error=request.error,
-            arrival_time=request.arrival_time,
-            first_token_time=min(first_times) if first_times else None,
-            finish_time=time.monotonic() if request.finished else None,
-        )
 
     def shutdown(self) -> None:
         """Release the other processes of a multi-host run (they leave their step loop and

@@ -1,7 +1,13 @@
-"""LLM: the offline API (vLLM's `LLM.generate` / `LLM.chat`) on top of LLMEngine."""
+"""LLM: the offline API (vLLM's `LLM.generate` / `LLM.chat`) on top of LLMEngine.
+
+`generate` returns each request's final output and nothing else, so it asks the engine for
+"final_only" outputs (as vLLM's LLM does): the engine builds one output per request, at its
+finish, instead of one per request per step.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
@@ -39,7 +45,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _final_only(_as_params_list(sampling_params, len(prompts)))
         request_ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -76,12 +82,15 @@ class LLM:
         start, generated = time.perf_counter(), 0
         while pending:
             for output in self.engine.step():
-                generated += sum(len(c.delta_token_ids) for c in output.outputs)
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     finished[output.request_id] = output
+                    # Tokens are counted as their requests finish (vLLM's bar does the same):
+                    # the engine reports nothing per step for final_only requests.
+                    generated += sum(len(c.token_ids) for c in output.outputs)
                     bar.update(1)
-            bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
+                    bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
+                                        refresh=False)
         bar.close()
         return [finished[r] for r in request_ids]
 
@@ -113,3 +122,19 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return params
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The params with output_kind "final_only": one copy per distinct SamplingParams object
+    (the caller's own are not changed). Whatever kind the caller chose, generate returns the
+    final output, which is the same in every kind but "delta" (there it would hold only the
+    last step's part)."""
+    copies: dict[int, SamplingParams] = {}
+    result = []
+    for p in params:
+        if isinstance(p, SamplingParams) and p.output_kind != "final_only":
+            if id(p) not in copies:
+                copies[id(p)] = dataclasses.replace(p, output_kind="final_only")
+            p = copies[id(p)]
+        result.append(p)  # (anything else is the engine's to refuse)
+    return result

@@ -58,14 +58,20 @@ class ServerMetrics:
         self.e2e = Histogram("orca_e2e_request_latency_seconds", "Time from arrival to finish.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineStatsCollector(stats))
+        # Per live request, tokens generated per sample so far: outputs may be deltas (streams),
+        # so a request's length is summed from them rather than read from its last output.
+        self._generated: dict[str, dict[int, int]] = {}
 
     def observe(self, output: RequestOutput) -> None:
         """Called with every engine output (on the engine thread)."""
+        per_sample = self._generated.setdefault(output.request_id, {})
+        for c in output.outputs:
+            per_sample[c.index] = per_sample.get(c.index, 0) + len(c.delta_token_ids)
         self.generation_tokens.inc(sum(len(c.delta_token_ids) for c in output.outputs))
         if output.finished:
-            self._observe_finished(output)
+            self._observe_finished(output, max(self._generated.pop(output.request_id).values(), default=0))
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: RequestOutput, generated: int) -> None:
         self.requests.labels(_finish_reason(output)).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         if output.finish_time is None or output.arrival_time is None:
@@ -74,7 +80,6 @@ class ServerMetrics:
         if output.first_token_time is None:
             return  # aborted or failed before its first token
         self.ttft.observe(output.first_token_time - output.arrival_time)
-        generated = max(len(c.token_ids) for c in output.outputs)
         if generated > 1:
             self.tpot.observe((output.finish_time - output.first_token_time) / (generated - 1))
 

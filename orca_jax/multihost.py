@@ -4,15 +4,22 @@ JAX runs one program per process ("multi-controller"): every process must call t
 compiled step, with the same inputs, in the same order. orca_jax keeps one scheduler:
 
     process 0 (leader)                              processes 1..P-1 (followers)
-    HTTP server, scheduler, build_batch             load weights (their shards), then loop:
-    StepChannel.send(batch)  ------ broadcast ----> StepChannel.receive() -> batch
-    runner.run(batch)        <-- all-reduces --->   runner.run(batch)
+    HTTP server, scheduler, BatchState.build        load weights (their shards), then loop:
+    StepChannel.send(inputs) ------ broadcast ----> StepChannel.receive() -> inputs
+    runner.run(inputs)       <-- all-reduces --->   runner.run(inputs).result()
     ...
     StepChannel.send_stop()  ------ broadcast ----> receive() -> None: leave the loop, exit
 
 The hand-off uses JAX's own collective (`multihost_utils.broadcast_one_to_all`): a fixed-size
-header (token bucket, stop flag), then the batch's arrays, whose shapes the bucket fixes. The
-sampled tokens come out replicated, so only the leader reads them. Nothing here opens a
+header (token bucket, stop flag), then the step's `StepInputs` arrays, whose shapes the bucket
+fixes. Every process holds the same persistent batch state (orca_jax.batch_state), updated by
+the same inputs, so a token the leader left on the device resolves on every process. The
+sampled tokens come out replicated, so only the leader reads them.
+
+With overlapped steps the leader sends step N+1 before it reads step N, but the broadcast is
+itself a device collective, queued behind step N on every process: the leader's host work
+overlaps its own device, not the collective. Handing the inputs over jax.distributed's
+key-value store instead would lift that; it is not done yet. Nothing here opens a
 socket of its own; jax.distributed's coordinator and the backend's collectives (gloo on CPU,
 NCCL on GPU, ICI/DCN on TPU) carry everything.
 """
@@ -27,7 +34,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from orca_jax.batch import Batch, empty_batch
+from orca_jax.batch_state import StepInputs, empty_step_inputs
 from orca_jax.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -82,12 +89,12 @@ class StepChannel:
         # followers must see one sequence of collectives, so one sender at a time.
         self._sending = threading.Lock()
 
-    def send(self, batch: Batch) -> None:
+    def send(self, inputs: StepInputs) -> None:
         with self._sending:
             if self.stopped:
                 raise RuntimeError("multi-host: a step after the followers were stopped")
-            self._broadcast_header(batch.num_tokens, _STEP)
-            multihost_utils.broadcast_one_to_all(batch)
+            self._broadcast_header(inputs.num_tokens, _STEP)
+            multihost_utils.broadcast_one_to_all(inputs)
 
     def send_stop(self) -> None:
         """Tell the followers to leave their loop (once; later calls do nothing)."""
@@ -96,14 +103,14 @@ class StepChannel:
                 self.stopped = True
                 self._broadcast_header(0, _STOP)
 
-    def receive(self) -> Batch | None:
-        """The leader's next batch, or None once it has sent stop."""
+    def receive(self) -> StepInputs | None:
+        """The leader's next step inputs, or None once it has sent stop."""
         num_tokens, kind = self._broadcast_header(0, _STEP)
         if kind == _STOP:
             self.stopped = True
             return None
         # Same-shaped zeros to receive into: the bucket fixes every array's shape.
-        return multihost_utils.broadcast_one_to_all(empty_batch(self.config, num_tokens))
+        return multihost_utils.broadcast_one_to_all(empty_step_inputs(self.config, num_tokens))
 
     @staticmethod
     def _broadcast_header(num_tokens: int, kind: int) -> tuple[int, int]:
@@ -117,8 +124,11 @@ def follow(runner, channel: StepChannel) -> int:
     (host memory, a device error of this host): it is raised, so the process exits non-zero and
     jax.distributed ends the job rather than leaving the leader waiting in a collective."""
     steps = 0
-    while (batch := channel.receive()) is not None:
-        runner.run(batch)
+    while (inputs := channel.receive()) is not None:
+        # Each process keeps its own copy of the persistent batch state, updated by the same
+        # inputs, so tokens the leader leaves on the device resolve here too. Waiting for the
+        # result surfaces this host's errors at the step that caused them.
+        runner.run(inputs).result()
         steps += 1
     logger.info("follower %d: stop received after %d steps", jax.process_index(), steps)
     return steps

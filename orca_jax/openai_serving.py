@@ -16,11 +16,17 @@ String prompts are tokenized here, with this side's own tokenizer, so that the c
 OpenAI and vLLM apply (prompt + max_tokens <= max_model_len, else a 400) is checked before
 anything is queued; the engine receives token ids. A request's prompts enter the engine in one
 inbox operation, all or none.
+
+The engine is asked for "delta" outputs when streaming (each output holds only its new text,
+token ids and log-probs, so a chunk costs what it sends) and for "final_only" outputs
+otherwise (one output per prompt, at its finish). Usage counts the new token ids of every
+output, which is right in each kind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -57,6 +63,7 @@ class _Submitted:
     streams: list[RequestStream]
     prompt_texts: list[str]  # per prompt; filled once the engine has accepted the prompts (echo)
     last_outputs: list[RequestOutput | None] = field(default_factory=list)  # per prompt
+    completion_tokens: int = 0  # generated so far, over all prompts and samples (usage)
 
     def abort_all(self) -> None:
         for stream in self.streams:
@@ -88,7 +95,7 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect):
         self._check_model(request)
         names: Names = {}
-        params = _sampling_params(request, request.max_tokens, request.logprobs, names)
+        params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream)
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
             self._check_room(len(ids), params.max_tokens, "max_tokens")
@@ -109,7 +116,7 @@ class OpenAIServing:
         ]
         return {
             "id": submitted.request_id, "object": "text_completion", "created": submitted.created,
-            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
+            "model": self.model_name, "choices": choices, "usage": _usage(submitted),
         }
 
     def _completion_choice(self, request, index, completion: CompletionOutput, prompt_text, output) -> dict:
@@ -156,7 +163,7 @@ class OpenAIServing:
                     yield chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}])
         else:
             if request.include_usage_in_stream:
-                yield chunk([], _usage(submitted.last_outputs))
+                yield chunk([], _usage(submitted))
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, prompt_ids, token_ids, logprobs, k, offset) -> dict:
@@ -188,7 +195,7 @@ class OpenAIServing:
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(1, self._room(len(prompt_ids)))
-        params = _sampling_params(request, max_tokens, request.engine_logprobs, names)
+        params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
         self._check_room(len(prompt_ids), params.max_tokens, request.max_tokens_field)
         submitted = await self._submit("chatcmpl", [prompt_ids], params, names)
         submitted.prompt_texts = [""]
@@ -204,7 +211,7 @@ class OpenAIServing:
         } for c in output.outputs]
         return {
             "id": submitted.request_id, "object": "chat.completion", "created": submitted.created,
-            "model": self.model_name, "choices": choices, "usage": _usage([output]),
+            "model": self.model_name, "choices": choices, "usage": _usage(submitted),
         }
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
@@ -251,7 +258,7 @@ class OpenAIServing:
                     yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}])
         else:
             if request.include_usage_in_stream:
-                yield chunk([], _usage(submitted.last_outputs))
+                yield chunk([], _usage(submitted))
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, token_ids, logprobs, request: ChatCompletionRequest) -> dict:
@@ -313,17 +320,20 @@ class OpenAIServing:
         return submitted
 
 
-def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None, names: Names) -> SamplingParams:
+def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None, names: Names,
+                     stream: bool) -> SamplingParams:
     try:
-        return request.sampling_params(max_tokens, logprobs)
+        params = request.sampling_params(max_tokens, logprobs)
     except RequestError as exc:
         raise request_error_to_openai(exc, names) from None
+    return dataclasses.replace(params, output_kind="delta" if stream else "final_only")
 
 
 def _delta_logprobs(completion: CompletionOutput) -> list[dict[int, float]]:
-    """Log-probs of the tokens new in this output (the engine's list is cumulative)."""
+    """Log-probs of the tokens new in this output: the last len(delta_token_ids) of them, which
+    in a "delta" output are all of them (and in a cumulative one, the end of the list)."""
     new = len(completion.delta_token_ids)
-    return list(completion.logprobs[-new:]) if new and completion.logprobs else []
+    return completion.logprobs[-new:] if new and completion.logprobs else []
 
 
 def _top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -332,9 +342,9 @@ def _top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(lps.items(), key=lambda item: -item[1])[:k]
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+def _usage(submitted: _Submitted) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in submitted.last_outputs if o is not None)
+    completion = submitted.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -377,6 +387,7 @@ async def _stream_outputs(submitted: _Submitted, wait_for_disconnect: WaitForDis
                 continue
             if isinstance(item, RequestOutput):
                 submitted.last_outputs[p] = item
+                submitted.completion_tokens += sum(len(c.delta_token_ids) for c in item.outputs)
             yield p, item
             if isinstance(item, OpenAIError):
                 return

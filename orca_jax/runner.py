@@ -1,12 +1,20 @@
 """The jitted model step and its ahead-of-time compiled programs, one per token bucket.
 
-    step(params, kv_cache, batch) -> (kv_cache, SampleOutput)
+    step(params, kv_cache, state, inputs) -> (kv_cache, state, SampleOutput)
 
-Everything the step reads is an argument; the KV cache is donated so XLA updates it in place.
-Programs are built ahead of time, one per token bucket (`jit(...).lower(...).compile()`, which
-JAX's persistent cache turns into a load on a second start): all of them by `warmup()`, the
-compiles in a thread pool, or each on first use. `execute()` only ever calls those
-executables, so a shape outside the buckets is an error, never a silent recompile.
+`state` is the persistent batch (`orca_jax.batch_state.DeviceState`: page tables, last sampled
+tokens, penalty counts per slot) and `inputs` the step's small `StepInputs`; the program first
+expands them into the step's `Batch`, runs the model, samples, and keeps the sampled tokens in
+the state. Everything the step reads is an argument; the KV cache and the state are donated
+so XLA updates them in place.
+
+`dispatch(scheduled)` builds the inputs, enqueues the program and returns at once with a
+`PendingStep`, whose `result()` is the one device -> host copy: the engine can dispatch the
+next step before it reads this one. Programs are built ahead of time, one per token bucket
+(`jit(...).lower(...).compile()`, which JAX's persistent cache turns into a load on a second
+start): all of them by `warmup()`, the compiles in a thread pool, or each on first use. A step
+only ever calls those executables, so a shape outside the buckets is an error, never a silent
+recompile.
 """
 
 from __future__ import annotations
@@ -28,12 +36,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from orca_jax import checkpoint, parallel
-from orca_jax.batch import Batch, empty_batch
+from orca_jax.batch_state import (BatchState, StepInputs, create_device_state, create_token_counts,
+                                  empty_step_inputs, expand, record_sampled)
 from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
 from orca_jax.sampling import SampleOutput, sample
+from orca_jax.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +68,34 @@ def compile_workers(num_programs: int) -> int:
     return max(1, min(num_programs, cores // CORES_PER_COMPILE))
 
 
-def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, params, kv_cache, batch: Batch):
-    """The model on one batch, then sampling: (updated kv_cache, SampleOutput)."""
+def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size: int, params, kv_cache, state,
+               inputs: StepInputs):
+    """The model on one step, then sampling: (updated kv_cache, updated state, SampleOutput)."""
+    state, batch, counts, unresolved = expand(state, inputs, page_size)
     logits, kv_cache = model.apply(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)
-    out = sample(logits, batch.sampling, max_logprobs)
-    if keep_logits:  # tests and debugging: the rows sampling saw, in the same program
-        out = dataclasses.replace(out, logits=logits)
-    return kv_cache, out
+    out = sample(logits, batch.sampling, max_logprobs, counts)
+    state = record_sampled(state, inputs, out.tokens)
+    # keep_logits: tests and debugging see the rows sampling saw, from the same program.
+    out = dataclasses.replace(out, unresolved_tokens=unresolved, logits=logits if keep_logits else None)
+    return kv_cache, state, out
+
+
+class PendingStep:
+    """A dispatched step. Its outputs start copying to the host at once; `result()` waits for
+    them (numpy SampleOutput). `output` holds the device arrays (the step timeline waits on
+    them to time the device)."""
+
+    def __init__(self, output: SampleOutput):
+        self.output = output
+        for leaf in jax.tree.leaves(output):
+            leaf.copy_to_host_async()
+
+    def result(self) -> SampleOutput:
+        out = jax.tree.map(_to_host, self.output)
+        if out.unresolved_tokens is not None and int(out.unresolved_tokens):
+            raise RuntimeError(f"{int(out.unresolved_tokens)} token(s) of the step were not on the device: the "
+                               "persistent batch state is out of step with the scheduler")
+        return out
 
 
 class ModelRunner:
@@ -98,7 +129,12 @@ class ModelRunner:
         self.params = jax.block_until_ready(self._place_params(params, model_config, tp))
         self.timings = {"weights_to_device_s": time.perf_counter() - start}
         self.kv_dtype = jnp.dtype(config.resolved_kv_cache_dtype(jax.default_backend()))
+        self.state_sharding = parallel.replicated(mesh) if mesh is not None else None
+        # The penalty counts scale with the vocabulary (63 MB at 257 slots, V = 49152): held
+        # while the pool is sized from free memory, so the pool leaves room for them.
+        reserved = create_token_counts(config, self.model_config.vocab_size, self.state_sharding)
         self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype, num_shards=tp)
+        del reserved
         if jax.process_count() > 1:
             # Each process sized the pool from its own free memory; the leader's page tables
             # index every process's cache, so all take the leader's count.
@@ -109,15 +145,23 @@ class ModelRunner:
         start = time.perf_counter()
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
-        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits)
+        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size)
+        donated = ("kv_cache", "state")
         if mesh is None:
-            self._step = jax.jit(step, donate_argnames=("kv_cache",))
+            self._step = jax.jit(step, donate_argnames=donated)
         else:
             replicated = parallel.replicated(mesh)
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            # out cache sharding == in cache sharding, so the donated buffer is reused in place.
-            self._step = jax.jit(step, in_shardings=(param_shardings, self.kv_sharding, replicated),
-                                 out_shardings=(self.kv_sharding, replicated), donate_argnames=("kv_cache",))
+            # out sharding == in sharding for the cache and the state, so the donated buffers
+            # are reused in place.
+            self._step = jax.jit(step, in_shardings=(param_shardings, self.kv_sharding, replicated, replicated),
+                                 out_shardings=(self.kv_sharding, replicated, replicated), donate_argnames=donated)
+        # Host side of the step: seconds building the last step's inputs and their bytes (the
+        # step timeline reads them).
+        self.last_build_s = 0.0
+        self.last_h2d_bytes = 0
+        self.last_h2d_arrays = 0
+        self.last_bucket = 0
         self._programs: dict[int, jax.stages.Compiled] = {}
         self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
 
@@ -135,13 +179,17 @@ class ModelRunner:
 
     @property
     def kv_cache_lost(self) -> bool:
-        """True after a failed step consumed the donated cache (then `reset_kv_cache`)."""
-        return self.kv_cache.is_deleted()
+        """True after a failed step consumed the donated cache or state (then `reset_kv_cache`)."""
+        return self.kv_cache.is_deleted() or any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
 
     def reset_kv_cache(self) -> None:
-        """A fresh, zeroed cache (at start-up, and after a failed step consumed the donated one)."""
+        """A fresh, zeroed cache and batch state (at start-up, and after a failed step consumed
+        the donated ones): every sequence must rejoin its slot, so the scheduler recomputes them."""
         self.kv_cache = create_kv_cache(self.model_config, self.num_pages, self.config.page_size, self.kv_dtype,
                                         sharding=self.kv_sharding).block_until_ready()
+        counts = create_token_counts(self.config, self.model_config.vocab_size, self.state_sharding)
+        self.state = jax.block_until_ready(create_device_state(self.config, counts, self.state_sharding))
+        self.batch_state = BatchState(self.config)
 
     def warmup(self, buckets: Sequence[int] | None = None) -> WarmupReport:
         """Build the step program of each token bucket (all of them by default) before serving.
@@ -162,7 +210,7 @@ class ModelRunner:
             # Multi-host followers build their programs on first use: one padding step per
             # bucket has them build all of them now rather than in the first requests.
             for bucket in todo:
-                self.execute(empty_batch(self.config, bucket))
+                self.send_and_run(empty_step_inputs(self.config, bucket)).result()
         report = WarmupReport(tuple(todo), time.perf_counter() - start, compile_counts() - counts_before)
         logger.info(
             "warm-up: %d step programs (token buckets %s) in %.1f s: %d compiled, %d from the compilation cache",
@@ -173,33 +221,40 @@ class ModelRunner:
     def _lower(self, bucket: int) -> jax.stages.Lowered:
         if bucket not in self.config.token_buckets:
             raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
-        return self._step.lower(self.params, self.kv_cache, empty_batch(self.config, bucket))
+        return self._step.lower(self.params, self.kv_cache, self.state, empty_step_inputs(self.config, bucket))
 
-    def _program(self, batch: Batch) -> jax.stages.Compiled:
-        bucket = batch.num_tokens
+    def _program(self, inputs: StepInputs) -> jax.stages.Compiled:
+        bucket = inputs.num_tokens
         if bucket not in self._programs:  # not warmed up: built on first use
             start = time.perf_counter()
             self._programs[bucket] = self._lower(bucket).compile()
             self.first_use_build_s[bucket] = time.perf_counter() - start
         return self._programs[bucket]
 
-    def execute(self, batch: Batch) -> SampleOutput:
-        """Run one step; returns the sampled tokens (and log-probs) as host numpy arrays. A
-        multi-host leader first hands the batch to the other processes."""
+    def dispatch(self, scheduled: ScheduledBatch) -> PendingStep:
+        """Build the step's inputs and enqueue its program; returns without waiting for it."""
+        start = time.perf_counter()
+        inputs = self.batch_state.build(scheduled)
+        self.last_build_s = time.perf_counter() - start
+        return self.send_and_run(inputs)
+
+    def send_and_run(self, inputs: StepInputs) -> PendingStep:
+        """Run one step; a multi-host leader first hands the inputs to the other processes."""
         if self.channel is not None:
-            self.channel.send(batch)
-        return self.run(batch)
+            self.channel.send(inputs)
+        return self.run(inputs)
 
-    def run(self, batch: Batch) -> SampleOutput:
-        """Run one step of this process's part (followers call this directly)."""
-        program = self._program(batch)
-        self.kv_cache, out = program(self.params, self.kv_cache, self._batch(batch))
-        return jax.tree.map(_to_host, out)
-
-    def _batch(self, batch: Batch) -> Batch:
-        # One device: numpy goes straight in, as before. Mesh: a replicated global array per
-        # field (built from this process's copy; every process holds the same batch).
-        return batch if self.mesh is None else self._put(batch)
+    def run(self, inputs: StepInputs) -> PendingStep:
+        """Enqueue one step of this process's part (followers call this directly)."""
+        program = self._program(inputs)
+        leaves = jax.tree.leaves(inputs)
+        self.last_h2d_bytes, self.last_h2d_arrays = sum(leaf.nbytes for leaf in leaves), len(leaves)
+        self.last_bucket = inputs.num_tokens
+        # One device: numpy goes straight in. Mesh: a replicated global array per field (built
+        # from this process's copy; every process holds the same inputs).
+        device_inputs = inputs if self.mesh is None else self._put(inputs)
+        self.kv_cache, self.state, out = program(self.params, self.kv_cache, self.state, device_inputs)
+        return PendingStep(out)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -11,6 +11,7 @@ same tokens whatever else shares its batch, and after a preemption.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -27,14 +28,27 @@ class SampleOutput:
     top_logprobs: jax.Array  # f32[S, K]
     # f32[S, V], the logits sampled from: only from a runner built with keep_logits (tests).
     logits: jax.Array | None = None
+    # i32[]: tokens the step meant to read from the device state but found missing (must be 0;
+    # set by the engine's step program, see orca_jax.batch_state.expand).
+    unresolved_tokens: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(
-    SampleOutput, data_fields=["tokens", "logprobs", "top_ids", "top_logprobs", "logits"], meta_fields=[]
-)
+@dataclass(frozen=True)
+class TokenCounts:
+    """What penalties read (the persistent per-slot state of `orca_jax.batch_state`): token
+    counts per slot, and the slot of each row. The [S, V] gather of the rows happens only in
+    the branch that applies penalties, so a batch without them pays nothing."""
+
+    output_counts: jax.Array  # i32[R, V]: occurrences of each token in the slot's output so far
+    prompt_seen: jax.Array  # bool[R, V]: tokens of the slot's prompt
+    row_slot: jax.Array  # i32[S]
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int) -> SampleOutput:
+for _cls in (SampleOutput, TokenCounts):
+    jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts: TokenCounts) -> SampleOutput:
     """logits f32[S, V] -> SampleOutput."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -42,7 +56,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int) -> Samp
     uses_penalties = jnp.any(
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
-    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, _: l, logits, inputs)
+    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, logits, inputs, counts)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     is_random = inputs.temperature > 0
@@ -62,18 +76,11 @@ def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int) -> Samp
     return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
 
 
-def apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+def apply_penalties(logits: jax.Array, inputs: SamplingInputs, counts: TokenCounts) -> jax.Array:
     """Repetition penalty over prompt and output tokens (HF/vLLM rule: divide positive logits,
     multiply negative ones); presence and frequency penalties over output tokens (OpenAI rule)."""
-    S, V = logits.shape
-    history = inputs.history
-    rows = jnp.arange(S)[:, None]
-    is_output = history >= 0
-    is_prompt = history <= -2
-    token = jnp.where(is_output, history, jnp.where(is_prompt, -history - 2, V))  # V: nothing
-    # One spare column at index V absorbs empty slots.
-    output_counts = jnp.zeros((S, V + 1), jnp.float32).at[rows, jnp.where(is_output, token, V)].add(1.0)[:, :V]
-    seen = jnp.zeros((S, V + 1), bool).at[rows, token].set(True)[:, :V]
+    output_counts = counts.output_counts[counts.row_slot].astype(jnp.float32)  # f32[S, V]
+    seen = counts.prompt_seen[counts.row_slot] | (output_counts > 0)
 
     rep = inputs.repetition_penalty[:, None]
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)

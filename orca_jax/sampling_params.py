@@ -22,6 +22,15 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 # A factor of 100 either way already drives a seen token's logit out of (or into) reach;
 # beyond it float32 logits overflow or vanish.
 REPETITION_PENALTY_RANGE = (1e-2, 100.0)
+# What each output of a request holds (vLLM's RequestOutputKind):
+#   "cumulative"  everything so far (text, token_ids, logprobs), plus what is new in
+#                 delta_text / delta_token_ids: one output per step that brings something new;
+#   "delta"       only what is new since the request's previous output, in text, token_ids and
+#                 logprobs (and delta_text / delta_token_ids): what a stream sends;
+#   "final_only"  one output, when the request has finished, holding everything (as cumulative):
+#                 what a caller that waits for the result needs (LLM.generate, a non-streamed
+#                 server request), and nothing is built per step.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 def _is_int(value) -> bool:
@@ -58,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -94,6 +104,8 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            ("output_kind", isinstance(self.output_kind, str) and self.output_kind in OUTPUT_KINDS,
+             f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -1,7 +1,7 @@
 """Iteration-level scheduler (Orca) and the request-level baseline.
 
-`schedule()` is called before every model step and returns that step's batch as a list of
-(sequence, number of new tokens). Policies:
+`schedule()` is called before every model step and returns that step's batch (`ScheduledBatch`:
+per row the sequence, its new tokens, where they start and whether the row samples). Policies:
 
 - "iteration": every running sequence gets its next token(s) first (decodes, then the rest of
   chunked prefills); the remaining token budget admits waiting requests first come, first
@@ -12,11 +12,18 @@
   only when none is running, with pages for each member's whole length reserved up front, and
   runs until every member has finished; later arrivals wait for the next batch. The step itself
   is the same, so the two policies differ only here.
+
+Tokens are counted when they are scheduled (as vLLM V1 does): `num_computed_tokens` rises in
+`schedule()`, and a row that samples adds one to the sequence's `num_pending` until
+`postprocess` appends the token. So a sequence can be scheduled again while its last token is
+still on the device (overlapped steps, `orca_jax.engine`); with one step at a time nothing is
+pending between steps. Each running sequence holds a slot, its row of the persistent batch
+state on the device (`orca_jax.batch_state`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,28 +31,114 @@ from orca_jax.config import EngineConfig
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.sequence import Sequence, SequenceStatus
 
-ScheduledBatch = list[tuple[Sequence, int]]
+
+class ScheduledBatch:
+    """One step's rows, in order, as parallel lists. Iterating gives (sequence, new tokens)
+    pairs, and a batch compares equal to a list of such pairs."""
+
+    __slots__ = ("seqs", "num_new", "starts", "samples", "pending_counted")
+
+    def __init__(self):
+        self.seqs: list[Sequence] = []
+        self.num_new: list[int] = []
+        self.starts: list[int] = []  # tokens cached before this step
+        self.samples: list[bool] = []  # the row reaches the sequence's end, so it samples a token
+        # schedule() has added each sampling row to its sequence's num_pending; `of` has not.
+        self.pending_counted = True
+
+    @classmethod
+    def of(cls, pairs) -> ScheduledBatch:
+        """A hand-made schedule (tests, kernel cases) from (sequence, new tokens) pairs whose
+        cached counts have not been advanced."""
+        batch = cls()
+        batch.pending_counted = False
+        for seq, n in pairs:
+            start = seq.num_computed_tokens
+            batch.add(seq, n, start, start + n == seq.num_tokens + seq.num_pending)
+        return batch
+
+    def add(self, seq: Sequence, n: int, start: int, samples: bool) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+        self.starts.append(start)
+        self.samples.append(samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __iter__(self):
+        return zip(self.seqs, self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, row: int) -> tuple[Sequence, int]:
+        return self.seqs[row], self.num_new[row]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"ScheduledBatch({[(s.seq_id, n) for s, n in self]})"
+
+
+class SlotAllocator:
+    """Rows of the persistent batch state: one per running sequence, `max_num_seqs` of them.
+    Row `max_num_seqs` is the padding sink and never handed out (as page 0 is)."""
+
+    def __init__(self, max_num_seqs: int):
+        self.sink = max_num_seqs
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self._in_use = [False] * max_num_seqs
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:  # the scheduler admits at most max_num_seqs, so this is a bug
+            raise RuntimeError("no free batch slot: more running sequences than max_num_seqs")
+        slot = self._free.pop()
+        self._in_use[slot] = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.sink or not self._in_use[slot]:
+            raise ValueError(f"slot {slot} is not in use (released twice, or out of range)")
+        self._in_use[slot] = False
+        self._free.append(slot)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: PageAllocator):
         self.config = config
         self.allocator = allocator
+        self.slots = SlotAllocator(config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.num_discarded_tokens = 0  # sampled for a sequence that had finished meanwhile
+        self.num_schedules = 0
+        # Requests (not sequences) with a sequence running / waiting, for O(1) stats.
+        self._running_requests: Counter[str] = Counter()
+        self._waiting_requests: Counter[str] = Counter()
 
     # ---- queue changes ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._waiting_requests[seq.request_id] += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (finished or aborted) and return its pages."""
+        """Retire a sequence (finished or aborted) and return its pages and slot. A token it
+        still has in flight is discarded when it arrives."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            _decrement(self._waiting_requests, seq.request_id)
         self.allocator.free(seq.page_ids)
         seq.page_ids = []
         seq.status = SequenceStatus.FINISHED
@@ -54,59 +147,101 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._running_requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self._waiting_requests)
+
     # ---- the per-step decision ---------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.num_schedules += 1
         if self.config.scheduling == "request":
             return self._schedule_request_level()
         return self._schedule_iteration_level()
 
+    def _schedulable_running(self) -> list[Sequence]:
+        """Running sequences with work, decodes first, then those still in (chunked) prefill.
+        A sequence whose pending token already takes it to its length limit is left out: that
+        token ends it, so another would be wasted."""
+        decoding, prefilling = [], []
+        for seq in self.running:
+            uncomputed = seq.num_uncomputed_tokens
+            if uncomputed == 0 or seq.num_tokens + seq.num_pending >= self.max_len(seq):
+                continue
+            (decoding if uncomputed == 1 else prefilling).append(seq)
+        return decoding + prefilling
+
     def _schedule_iteration_level(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        scheduled: ScheduledBatch = []
-        # Decodes first, then running sequences still in (chunked) prefill.
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        scheduled = ScheduledBatch()
+        for seq in self._schedulable_running():
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted to make room for an earlier sequence
-            granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget), scheduled)
+            granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget))
             if granted:
-                scheduled.append((seq, granted))
+                self._grant(scheduled, seq, granted)
                 budget -= granted
         self._admit_waiting(scheduled, budget)
         return scheduled
 
+    def _grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int) -> None:
+        """The one place a row is added: its tokens count as computed from now on."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + n
+        samples = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        seq.num_pending += samples
+        seq.step_mark = self.num_schedules
+        scheduled.add(seq, n, start, samples)
+
+    def unschedule(self, scheduled: ScheduledBatch) -> None:
+        """Take back what `schedule()` counted, when the step could not be dispatched: admitted
+        sequences stay admitted with their pages, but no cached count has advanced."""
+        for seq, start, samples in zip(scheduled.seqs, scheduled.starts, scheduled.samples):
+            seq.num_computed_tokens = start
+            seq.num_pending -= samples
+
     def _admit_waiting(self, scheduled: ScheduledBatch, budget: int) -> None:
-        """FCFS admission: the head of the queue goes first, and nothing overtakes it."""
+        """FCFS admission: the head of the queue goes first, and nothing overtakes it. A
+        preempted sequence whose token is still in flight waits for it (its recompute needs
+        every token)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break
             chunk = min(seq.num_uncomputed_tokens, budget)
             if not self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + chunk):
                 break
             self._move_to_running(seq)
-            scheduled.append((seq, chunk))
+            self._grant(scheduled, seq, chunk)
             budget -= chunk
 
-    def _reserve_or_preempt(self, seq: Sequence, desired: int, scheduled: ScheduledBatch) -> int:
+    def _reserve_or_preempt(self, seq: Sequence, desired: int) -> int:
         """Pages for up to `desired` new tokens of a running sequence, preempting the most
         recently admitted sequences not already in this step while none are free. Returns the
         tokens granted; 0 when `seq` itself had to be preempted."""
-        in_step = {id(s) for s, _ in scheduled}
+        page_size = self.allocator.page_size
+        if seq.num_computed_tokens + desired <= len(seq.page_ids) * page_size:
+            return desired  # its pages already cover the step (most decodes)
         while True:
-            room = (len(seq.page_ids) + self.allocator.num_free) * self.allocator.page_size
+            room = (len(seq.page_ids) + self.allocator.num_free) * page_size
             granted = min(desired, room - seq.num_computed_tokens)
             if granted >= 1:
                 self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + granted)
                 return granted
             # `seq` itself is not in the step yet, so a victim always exists.
-            victim = next(s for s in reversed(self.running) if id(s) not in in_step)
+            victim = next(s for s in reversed(self.running) if s.step_mark != self.num_schedules)
             self.preempt(victim)
             if victim is seq:
                 return 0
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the cache, keep the tokens, requeue at the front."""
+        """Recompute preemption: drop the cache, keep the tokens, requeue at the front. A token
+        still in flight stays pending and is appended when it arrives."""
         self.running.remove(seq)
+        self._leave_running(seq)
         self.allocator.free(seq.page_ids)
         seq.page_ids = []
         seq.num_computed_tokens = 0
@@ -114,33 +249,41 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._waiting_requests[seq.request_id] += 1
 
     def _schedule_request_level(self) -> ScheduledBatch:
         if not self.running:
             self._admit_static_batch()
         budget = self.config.max_num_batched_tokens
-        scheduled: ScheduledBatch = []
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        scheduled = ScheduledBatch()
+        for seq in self._schedulable_running():
             if budget == 0:
                 break
             chunk = min(seq.num_uncomputed_tokens, budget)
-            scheduled.append((seq, chunk))  # pages were reserved at admission
+            self._grant(scheduled, seq, chunk)  # pages were reserved at admission
             budget -= chunk
         return scheduled
 
     def _admit_static_batch(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
+            if seq.num_pending or not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
                 break
             self._move_to_running(seq)
 
     def _move_to_running(self, seq: Sequence) -> None:
         self.waiting.popleft()
+        _decrement(self._waiting_requests, seq.request_id)
         seq.status = SequenceStatus.RUNNING
+        seq.slot = self.slots.acquire()
+        seq.slot_joined = True
         self.running.append(seq)
+        self._running_requests[seq.request_id] += 1
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.slots.release(seq.slot)
+        seq.slot = None
+        _decrement(self._running_requests, seq.request_id)
 
     def max_len(self, seq: Sequence) -> int:
         """The most tokens a sequence can ever hold in the cache."""
@@ -148,19 +291,28 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------
     def postprocess(self, scheduled: ScheduledBatch, sampled, stop_rule: StopRule | None = None) -> StepUpdate:
-        """The one postprocess of a step: advance each sequence's cached-token count; append the
-        sampled token (row i of `sampled` is scheduled[i]) to every sequence whose scheduled
-        tokens reached its end; retire those that stop: `stop_rule(seq, token)` first (EOS,
-        stop tokens and strings: the engine's), then the length limit (`max_len`)."""
-        update = StepUpdate()
-        for row, (seq, n_new) in enumerate(scheduled):
-            seq.num_computed_tokens += n_new
-            if seq.num_computed_tokens < seq.num_tokens:
+        """The one postprocess of a step: append the sampled token (row i of `sampled` belongs
+        to scheduled row i) to every sequence whose row sampled, then retire those that stop:
+        `stop_rule(seqs, tokens)` first (EOS, stop tokens and strings: the engine's), then the
+        length limit (`max_len`). A token of a sequence that finished after the step was
+        dispatched (aborted, or stopped by the step before) is discarded."""
+        tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
+        rows, seqs, new = [], [], []
+        for row, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
+            if not samples:
                 continue  # a prefill chunk short of the prompt's end: no token yet
-            token = int(sampled[row])
-            seq.output_token_ids.append(token)
-            update.advanced.append((row, seq))
-            stop = stop_rule(seq, token) if stop_rule is not None else None
+            if seq.is_finished:
+                seq.num_pending -= 1
+                self.num_discarded_tokens += 1
+                continue
+            seq.num_pending -= 1
+            seq.output_token_ids.append(tokens[row])
+            rows.append(row)
+            seqs.append(seq)
+            new.append(tokens[row])
+        update = StepUpdate(advanced=list(zip(rows, seqs)))
+        stops = stop_rule(seqs, new) if stop_rule is not None and seqs else [None] * len(seqs)
+        for seq, stop in zip(seqs, stops):
             if stop is None and seq.num_tokens >= self.max_len(seq):  # max_tokens or max_model_len
                 stop = ("length", None)
             if stop is not None:
@@ -170,9 +322,17 @@ class Scheduler:
         return update
 
 
-# (finish reason, stop reason) of a sequence that stops on `token`, or None to go on. The
-# reason is "stop" or "length"; the stop reason the stop token id or string, else None.
-StopRule = Callable[[Sequence, int], "tuple[str, int | str | None] | None"]
+def _decrement(counts: Counter, key: str) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
+
+
+# Per sequence that got a token (in step order, the token appended already): (finish reason,
+# stop reason) if it stops on it, or None to go on. The reason is "stop" or "length"; the stop
+# reason the stop token id or string, else None. One call per step, so the engine can
+# detokenize the whole step at once.
+StopRule = Callable[[list[Sequence], list[int]], "list[tuple[str, int | str | None] | None]"]
 
 
 @dataclass

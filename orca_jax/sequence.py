@@ -30,7 +30,15 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Tokens whose K/V are in the cache, or are being computed by a dispatched step: the
+    # scheduler counts them when it schedules them (and takes them back if dispatch fails).
+    num_computed_tokens: int = 0
+    # Sampled tokens of dispatched steps not yet appended to output_token_ids (at most one per
+    # step in flight): the device already feeds them to the next step.
+    num_pending: int = 0
+    slot: int | None = None  # row of the persistent batch state while running (orca_jax.batch_state)
+    slot_joined: bool = False  # the slot is new to this sequence: its device rows must be reset
+    step_mark: int = -1  # the last schedule() that gave this sequence a row
     page_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -50,11 +58,18 @@ class Sequence:
         return self.prompt_token_ids[position] if position < n_prompt else self.output_token_ids[position - n_prompt]
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        return [self.token_at(p) for p in range(start, stop)]
+        """Token ids at positions [start, stop), prompt then output, as list slices."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to compute, counting the pending ones (already known to the device)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_decoding(self) -> bool:

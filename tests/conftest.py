@@ -200,12 +200,15 @@ class _HFLastLogits:
 
 def logits_engine(**settings):
     """An LLMEngine whose steps also return their logits (`engine.last_step.output.logits`):
-    the runner seam with `keep_logits`, one compiled program per bucket as in serving."""
+    the runner seam with `keep_logits`, one compiled program per bucket as in serving. One
+    step at a time (each step() completes the step it dispatched), unless told otherwise;
+    overlapped steps give the same tokens (tests/test_async_scheduling.py)."""
     import functools
 
     from orca_jax.engine import LLMEngine
     from orca_jax.runner import ModelRunner
 
+    settings.setdefault("async_scheduling", False)
     return LLMEngine(make_runner=functools.partial(ModelRunner, keep_logits=True), **settings)
 
 
@@ -243,8 +246,7 @@ def drive_engine_against_hf(engine, hf_model, rng, prompt_lengths=(5, 23, 12, 37
         assert logits.dtype == np.float32 and logits.shape[1] == vocab and logits.shape[0] >= len(step.scheduled)
         got_token = {row for row, _ in step.advanced}
         kinds = set()
-        for row, (seq, n) in enumerate(step.scheduled):
-            cached_before = seq.num_computed_tokens - n  # the step has advanced it
+        for row, (seq, cached_before) in enumerate(zip(step.scheduled.seqs, step.scheduled.starts)):
             kinds.add("decode" if cached_before >= seq.num_prompt_tokens else "prefill")
             if row in got_token:
                 ref = hf_last(seq.prompt_token_ids + seq.output_token_ids[:-1])

@@ -26,7 +26,8 @@ from orca_jax.runner import ModelRunner  # noqa: E402
 
 # One token bucket (16) and no warm-up: one program per engine, its step keeping the logits.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,
-              max_model_len=128, warmup=False, make_runner=functools.partial(ModelRunner, keep_logits=True))
+              max_model_len=128, warmup=False, make_runner=functools.partial(ModelRunner, keep_logits=True),
+              async_scheduling=False)  # drive_logits reads each call's step; overlapped runs give the same tokens
 PROMPT_LENGTHS = (5, 19, 11)  # 19 > 16: chunked prefill next to decodes
 
 

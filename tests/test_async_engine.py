@@ -189,7 +189,7 @@ def test_full_waiting_queue_rejects_then_recovers(engine, monkeypatch):
 
 
 def test_failed_step_fails_its_requests_and_the_engine_recovers(engine, monkeypatch):
-    real_execute = engine.runner.execute
+    real_execute = engine.runner.dispatch
     calls = {"n": 0}
 
     def fail_once(batch):
@@ -198,7 +198,7 @@ def test_failed_step_fails_its_requests_and_the_engine_recovers(engine, monkeypa
             raise RuntimeError("injected device fault")
         return real_execute(batch)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_once)
 
     async def scenario(ae):
         doomed = await ae.add_request("doomed", PROMPT, greedy(4))
@@ -274,3 +274,204 @@ def test_queue_limit_counts_every_request_of_a_group(engine, monkeypatch):
         return [(await collect(s))[-1].finish_reason for s in first]
 
     assert run(engine, scenario, max_waiting_requests=3) == ["length", "length"]
+
+
+# ---- the per-request output collector ------------------------------------------------------
+def _delta_output(index_texts: dict[int, tuple[str, list[int]]], finished=False, first_token_time=None):
+    from orca_jax.outputs import CompletionOutput, RequestOutput
+
+    completions = [CompletionOutput(index=i, text=text, token_ids=list(ids), logprobs=[{t: -1.0} for t in ids],
+                                    delta_text=text, delta_token_ids=list(ids),
+                                    finish_reason="length" if finished else None)
+                   for i, (text, ids) in index_texts.items()]
+    return RequestOutput("r", None, [1, 2], completions, finished=finished, first_token_time=first_token_time,
+                         finish_time=5.0 if finished else None)
+
+
+def test_a_lagging_reader_gets_the_delta_outputs_merged_into_one():
+    from orca_jax.async_engine import RequestStream
+
+    async def scenario():
+        stream = RequestStream("r", lambda _: None, "delta")
+        stream._put(_delta_output({0: ("Hel", [5]), 1: ("A", [9])}, first_token_time=1.5))
+        first = await stream.__anext__()  # read at once: as it was put
+        stream._put(_delta_output({0: ("lo", [6]), 1: ("", [])}, first_token_time=1.5))
+        stream._put(_delta_output({0: (" wor", [7, 8]), 1: ("B", [10])}, first_token_time=1.5))
+        stream._put(_delta_output({0: ("ld", [11]), 1: ("C", [12])}, finished=True, first_token_time=1.5))
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(scenario())
+    assert first.outputs[0].text == "Hel" and first.outputs[0].token_ids == [5]
+    [merged] = rest  # three outputs that arrived while the reader was away: one read
+    a, b = merged.outputs
+    assert (a.text, a.token_ids, a.delta_text, a.delta_token_ids) == ("lo world", [6, 7, 8, 11], "lo world",
+                                                                      [6, 7, 8, 11])
+    assert [list(lp) for lp in a.logprobs] == [[6], [7], [8], [11]]
+    assert (b.text, b.token_ids) == ("BC", [10, 12])
+    assert merged.finished and merged.finish_time == 5.0 and merged.first_token_time == 1.5
+    assert a.finish_reason == b.finish_reason == "length"
+
+
+def test_cumulative_outputs_replace_the_unread_one_keeping_its_deltas():
+    from orca_jax.async_engine import RequestStream
+    from orca_jax.outputs import CompletionOutput, RequestOutput
+
+    def cumulative(text, ids, new_text, new_ids, finished=False):
+        c = CompletionOutput(index=0, text=text, token_ids=list(ids), delta_text=new_text,
+                             delta_token_ids=list(new_ids), finish_reason="stop" if finished else None)
+        return RequestOutput("r", None, [1], [c], finished=finished)
+
+    async def scenario():
+        stream = RequestStream("r", lambda _: None)  # the default kind
+        stream._put(cumulative("Hel", [5], "Hel", [5]))
+        stream._put(cumulative("Hello", [5, 6], "lo", [6]))
+        stream._put(cumulative("Hello!", [5, 6, 7], "!", [7], finished=True))
+        return [out async for out in stream]
+
+    [out] = asyncio.run(scenario())
+    c = out.outputs[0]
+    assert (c.text, c.token_ids, c.delta_text, c.delta_token_ids) == ("Hello!", [5, 6, 7], "Hello!", [5, 6, 7])
+    assert out.finished and c.finish_reason == "stop"
+
+
+def test_an_error_is_raised_after_the_outputs_before_it():
+    from orca_jax.async_engine import RequestStream
+
+    async def scenario():
+        stream = RequestStream("r", lambda _: None, "delta")
+        stream._put(_delta_output({0: ("a", [5])}))
+        stream._put(RequestFailedError("engine gone"))
+        first = await stream.__anext__()
+        with pytest.raises(RequestFailedError, match="engine gone"):
+            await stream.__anext__()
+        return first, [out async for out in stream]
+
+    first, after = asyncio.run(scenario())
+    assert first.outputs[0].text == "a" and after == []
+
+
+def test_merged_outputs_from_make_output_add_up_in_every_kind(engine):
+    """Outputs of a real request (make_output on the engine's tokenizer), put while nobody
+    reads, reach a late reader as one output that equals the unmerged history."""
+    from orca_jax.async_engine import RequestStream
+    from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
+    from orca_jax.request import Request, make_output
+    from orca_jax.sequence import Sequence, SequenceStatus
+
+    tok = engine.tokenizer
+    ids = tok.encode(" The quick brown fox jumps", add_special_tokens=False)
+    results = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        params = SamplingParams(logprobs=1, output_kind=kind)
+        seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[5, 6], params=params, seed=0)
+        request = Request("r", None, [5, 6], params, [seq], [IncrementalDetokenizer(tok, [5, 6])])
+
+        async def scenario():
+            stream = RequestStream("r", lambda _: None, kind)
+            for step, token in enumerate(ids):
+                detokenize_step(request.detokenizers, [token])
+                seq.output_token_ids.append(token)
+                seq.output_logprobs.append({token: -float(step)})
+                if step == len(ids) - 1:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+                    request.detokenizers[0].flush()
+                out = make_output(request)
+                if out is not None:
+                    stream._put(out)
+                if step == 1 and kind != "final_only":  # the reader takes one early output, then lags
+                    early = await stream.__anext__()
+            return early if kind != "final_only" else None, [o async for o in stream]
+
+        results[kind] = asyncio.run(scenario())
+    text = tok.decode(ids)
+    for kind, (early, [late]) in results.items():
+        c = late.outputs[0]
+        assert late.finished and c.finish_reason == "length", kind
+        if kind == "delta":
+            assert early.outputs[0].text + c.text == text
+            assert early.outputs[0].token_ids + c.token_ids == ids
+            assert len(early.outputs[0].logprobs) + len(c.logprobs) == len(ids)
+        else:
+            assert (c.text, c.token_ids, len(c.logprobs)) == (text, ids, len(ids)), kind
+        if early is not None:  # deltas add up across the merge
+            assert early.outputs[0].delta_token_ids + c.delta_token_ids == ids
+            assert early.outputs[0].delta_text + c.delta_text == text
+        else:
+            assert c.delta_token_ids == ids and c.delta_text == text
+
+
+def test_a_reader_that_comes_late_gets_one_output_with_everything(engine):
+    """The engine thread runs a whole request before the reader looks: the reader takes one
+    output (not one per step), and its deltas are the whole reply."""
+    expected = offline_text(engine, PROMPT, greedy(16))
+
+    async def scenario(ae):
+        stream = await ae.add_request("late", PROMPT, greedy(16))
+        for _ in range(1000):  # until the finished output has been put (and nothing read)
+            if stream._unread is not None and stream._unread.finished:
+                break
+            await asyncio.sleep(0.01)
+        return [out async for out in stream]
+
+    [out] = run(engine, scenario)
+    c = out.outputs[0]
+    assert out.finished and c.text == c.delta_text == expected and len(c.delta_token_ids) == 16
+
+
+def test_stats_count_requests_without_walking_the_queues(engine, monkeypatch):
+    """The snapshot counts requests (a request of n=2 is one), from the scheduler's counters:
+    it matches the queues, and never iterates them."""
+    ae = AsyncLLMEngine(engine)  # not started: the test steps the engine itself
+    engine.add_requests([("w0", PROMPT, greedy(3, n=2)), ("w1", PROMPT, greedy(3)), ("w2", PROMPT, greedy(3))])
+
+    def by_walking():
+        scheduler = engine.scheduler
+        return (len({s.request_id for s in scheduler.running}), len({s.request_id for s in scheduler.waiting}))
+
+    class NotIterable(list):
+        def __iter__(self):
+            raise AssertionError("the snapshot walked a queue")
+
+    seen = []
+    while engine.has_unfinished_requests():
+        expected = by_walking()
+        for name in ("running", "waiting"):
+            monkeypatch.setattr(engine.scheduler, name, NotIterable(getattr(engine.scheduler, name)))
+        snapshot = ae._snapshot()
+        monkeypatch.undo()
+        assert (snapshot.num_running, snapshot.num_waiting) == expected
+        seen.append(expected)
+        engine.step()
+    assert seen[0] == (0, 3) and any(running > 0 for running, _ in seen)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_each_output_kind_through_the_engine_thread(engine, kind):
+    """Streams of every output kind, read at once and read late, give the offline text."""
+    expected = offline_text(engine, PROMPT, greedy(16))
+
+    async def scenario(ae):
+        prompt_stream = await ae.add_request("now", PROMPT, greedy(16, output_kind=kind))
+        now = await collect(prompt_stream)
+        late_stream = await ae.add_request("late", PROMPT, greedy(16, output_kind=kind))
+        for _ in range(1000):  # until the finished output has been put (and nothing read)
+            if late_stream._unread is not None and late_stream._unread.finished:
+                break
+            await asyncio.sleep(0.01)
+        return now, await collect(late_stream)
+
+    now, late = run(engine, scenario)
+    for outputs in (now, late):
+        texts = [o.outputs[0].text for o in outputs]
+        tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+        if kind == "delta":
+            assert "".join(texts) == expected and len(tokens) == 16
+        else:
+            assert texts[-1] == expected and len(outputs[-1].outputs[0].token_ids) == 16
+        assert "".join(o.outputs[0].delta_text for o in outputs) == expected
+    assert len(late) == 1  # the late reader: one merged output
+    if kind == "final_only":
+        assert len(now) == 1 and now[0].finished
+    else:
+        assert len(now) > 1

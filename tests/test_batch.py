@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_jax.batch import NO_TOKEN, Batch, build_batch, empty_batch, encode_prompt_history, token_bucket
+from orca_jax.batch import Batch, build_batch, empty_batch, token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kernels.testing import ragged_metadata
-from orca_jax.kv_cache import PADDING_PAGE
+from orca_jax.kv_cache import PADDING_PAGE, PageAllocator
 from orca_jax.sampling_params import SamplingParams
+from orca_jax.scheduler import ScheduledBatch, Scheduler
 from orca_jax.sequence import Sequence
 
 MODEL = ModelConfig(
@@ -121,13 +122,65 @@ def test_sampling_rows():
     np.testing.assert_array_equal(s.seeds[:2], [0, 5])  # seeds are reduced to uint32
     np.testing.assert_array_equal(s.sample_index[:2], [0, 2])
     np.testing.assert_array_equal(s.want_logprobs[:2], [False, True])
-    assert s.history.shape == (config.seq_bucket(8), config.max_model_len)
-    assert np.all(s.history[0] == NO_TOKEN), "no penalties: no history"
-    np.testing.assert_array_equal(s.history[1, :5], list(encode_prompt_history([7, 8, 9])) + [10, 10])
-    assert np.all(s.history[1, 5:] == NO_TOKEN)
-    assert list(encode_prompt_history([0, 3])) == [-2, -5]
     # Padding rows: neutral parameters.
     assert s.temperature[2] == 0 and s.top_p[2] == 1 and s.repetition_penalty[2] == 1
+    assert not any(f.name == "history" for f in dataclasses.fields(s)), "penalties read per-slot counts"
+
+
+def assert_batches_equal(got: Batch, expected: Batch) -> None:
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_hand_made_pairs_build_what_the_scheduler_builds():
+    """build_batch takes schedule()'s ScheduledBatch (counts already advanced, the sampling
+    rows' tokens counted as pending) or hand-made (sequence, n) pairs of sequences whose
+    counts were not advanced (ScheduledBatch.of): the two must give the same batch, sampling
+    rows included, at each step of a run with decodes, chunked prefills and a join."""
+    config = make_config(max_num_batched_tokens=16, max_num_seqs=3)
+    sched = Scheduler(config, PageAllocator(40, config.page_size))
+    params = SamplingParams(temperature=0.8, top_k=3, repetition_penalty=1.2, logprobs=1, max_tokens=6)
+    prompts = {0: [11, 12, 13], 1: list(range(100, 121)), 2: [7, 8, 9, 10, 11]}
+    seqs = {i: Sequence(i, f"r{i}", 0, p, params if i == 1 else SamplingParams(temperature=0), seed=i)
+            for i, p in prompts.items()}
+    sched.add(seqs[0])
+    sched.add(seqs[1])
+    num_samples = 0
+    for step in range(8):
+        if step == 2:
+            sched.add(seqs[2])  # joins mid-run
+        scheduled = sched.schedule()
+        assert isinstance(scheduled, ScheduledBatch) and scheduled
+        from_scheduler = build_batch(config, scheduled)
+        sched.unschedule(scheduled)  # back to the counts a hand-made pair has
+        pairs = list(scheduled)
+        assert_batches_equal(build_batch(config, pairs), from_scheduler)
+        assert_batches_equal(build_batch(config, ScheduledBatch.of(pairs)), from_scheduler)
+        redone = sched.schedule()
+        assert redone == pairs and redone.starts == scheduled.starts and redone.samples == scheduled.samples
+        num_samples += sum(redone.samples)
+        sched.postprocess(redone, [40 + step] * len(redone))
+    assert num_samples > 3 and len(seqs[2].output_token_ids) > 0
+
+
+def test_sample_index_of_a_sampling_row_is_its_output_index():
+    """The draw of the k-th output token is keyed by k, whether the row comes from schedule()
+    (which counts the row's token as pending) or from hand-made pairs."""
+    config = make_config()
+    sched = Scheduler(config, PageAllocator(20, config.page_size))
+    seq = Sequence(0, "r0", 0, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=8), seed=1)
+    sched.add(seq)
+    for k in range(4):
+        scheduled = sched.schedule()
+        assert seq.num_pending == 1 and scheduled.samples == [True]
+        assert build_batch(config, scheduled).sampling.sample_index[0] == k
+        sched.unschedule(scheduled)
+        assert seq.num_pending == 0
+        assert build_batch(config, [(seq, scheduled.num_new[0])]).sampling.sample_index[0] == k
+        sched.postprocess(sched.schedule(), [9 + k])
+    assert seq.output_token_ids == [9, 10, 11, 12]
 
 
 def test_empty_batch_is_all_padding():
@@ -144,7 +197,7 @@ def test_batch_is_a_pytree_of_arrays():
     config = make_config()
     batch = build_batch(config, [(make_seq(0, [1, 2, 3], pages=[1]), 3)])
     leaves = jax.tree.leaves(batch)
-    assert len(leaves) == 8 + 11
+    assert len(leaves) == 8 + 10
     assert all(isinstance(x, np.ndarray) for x in leaves)
     rebuilt = jax.tree.unflatten(jax.tree.structure(batch), leaves)
     assert isinstance(rebuilt, Batch)

@@ -209,3 +209,227 @@ def test_earliest_stop_string_wins_when_one_token_completes_two(tiny_tokenizer):
         deltas, found, detok = stream(tok, [], ids, stop=stop)
         assert found == "qu", (stop, found)
         assert detok.text == "".join(deltas) == "The ", (stop, detok.text)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole step at once (detokenize_step) against one token at a time (add_token)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    """The embedded default model's tokenizer, built from its GGUF file as the loader does."""
+    import gguf
+
+    from orca_jax.models.gguf_tokenizer import tokenizer_from_gguf
+    from orca_jax.models.loader import default_model_path
+
+    return tokenizer_from_gguf(gguf.GGUFReader(str(default_model_path())))
+
+
+def _stream_case(draw_text, tokenizer, rng):
+    """(prompt ids, generated ids, stop strings, include_stop) for one random sequence: text
+    with multi-byte characters encoded, with random ids (special ones among them) mixed in, and
+    stop strings cut from its decoded text, so they can span tokens and split characters."""
+    ids = tokenizer.encode(draw_text(), add_special_tokens=False)
+    for _ in range(rng.integers(0, 4)):
+        ids.insert(int(rng.integers(0, len(ids) + 1)), int(rng.integers(0, len(tokenizer))))
+    prompt = tokenizer.encode(draw_text() or "x", add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stops = []
+    for _ in range(rng.integers(0, 3)):
+        if len(text) >= 2:
+            at = int(rng.integers(0, len(text) - 1))
+            stops.append(text[at: at + int(rng.integers(1, 5))])
+    stops = [s for s in stops if s]
+    return prompt, ids, stops, bool(rng.integers(0, 2))
+
+
+def _run_lockstep(cases, tokenizers, rng):
+    """Feed every case both ways: all live sequences through one detokenize_step per step, and
+    each through add_token alone; deltas are taken at random steps (a lagging reader). Returns
+    per case (text, stop string, deltas, the step it stopped at) for both ways."""
+    from orca_jax.detokenizer import detokenize_step
+
+    def make(i):
+        prompt, _, stops, include = cases[i]
+        return IncrementalDetokenizer(tokenizers[i], prompt, stops, include)
+
+    batched, solo = [make(i) for i in range(len(cases))], [make(i) for i in range(len(cases))]
+    results = {way: [{"stop": None, "at": None, "deltas": []} for _ in cases] for way in ("batched", "solo")}
+    live = list(range(len(cases)))
+    step = 0
+    while live:
+        rows = [i for i in live if step < len(cases[i][1])]
+        found = detokenize_step([batched[i] for i in rows], [cases[i][1][step] for i in rows])
+        for i, stop in zip(rows, found):
+            solo_stop = solo[i].add_token(cases[i][1][step])
+            for way, found_here in (("batched", stop), ("solo", solo_stop)):
+                if found_here is not None:
+                    results[way][i].update(stop=found_here, at=step)
+        for i in list(live):
+            ended = step + 1 >= len(cases[i][1]) or results["batched"][i]["stop"] is not None \
+                or results["solo"][i]["stop"] is not None
+            take = ended or rng.integers(0, 3) == 0
+            for way, detok in (("batched", batched[i]), ("solo", solo[i])):
+                if ended and results[way][i]["stop"] is None:
+                    detok.flush()
+                if take:
+                    results[way][i]["deltas"].append(detok.take_delta(ended))
+            if ended:
+                live.remove(i)
+        step += 1
+    for way, detoks in (("batched", batched), ("solo", solo)):
+        for r, d in zip(results[way], detoks):
+            r["text"] = d.text
+    return results
+
+
+def _first_stop_oracle(tokenizer, prompt, ids, stops, include):
+    """(stop string, step, final text) by brute force: the text without stop strings after each
+    step; at the first step where it contains a stop string, cut at the earliest one."""
+    plain = IncrementalDetokenizer(tokenizer, prompt)
+    for step, token in enumerate(ids):
+        plain.add_token(token)
+        text = plain.text
+        found = [(at, stop) for stop in stops if (at := text.find(stop)) >= 0]
+        if found:
+            at, stop = min(found, key=lambda f: f[0])
+            return stop, step, text[: at + len(stop)] if include else text[:at]
+    plain.flush()
+    return None, None, plain.text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), num_seqs=st.integers(1, 12), mixed=st.booleans())
+def test_batched_step_equals_one_token_at_a_time(seed, num_seqs, mixed, tiny_tokenizer, multilingual_tokenizer):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    alphabet = list("ab xyz.,!") + ["é", "ß", "中", "文", "世", "界", "你", "好", "😀", "🎉", "👍", "🏽", "한"]
+
+    def draw_text():
+        return "".join(rng.choice(alphabet, size=int(rng.integers(0, 25))))
+
+    choices = (tiny_tokenizer, multilingual_tokenizer)
+    tokenizers = [choices[int(rng.integers(0, 2))] if mixed else tiny_tokenizer for _ in range(num_seqs)]
+    cases = [_stream_case(draw_text, tok, rng) for tok in tokenizers]
+    results = _run_lockstep(cases, tokenizers, rng)
+    assert results["batched"] == results["solo"]
+    for case, r, tok in zip(cases, results["batched"], tokenizers):
+        assert (r["stop"], r["at"], r["text"]) == _first_stop_oracle(tok, *case), case
+    for (_, ids, stops, include), r, tok in zip(cases, results["batched"], tokenizers):
+        assert "".join(r["deltas"]) == r["text"]
+        if r["stop"] is None:  # ran to the end: the whole decode, with no stop string in it
+            assert r["text"] == tok.decode(ids, skip_special_tokens=True)
+            # (Unless the end was an incomplete character: the flush at finish, which releases it
+            # and the text waiting with it, does not look for stop strings.)
+            assert REPLACEMENT in r["text"] or not any(s in r["text"] for s in stops)
+        else:
+            assert r["text"].endswith(r["stop"]) == include or r["stop"] == ""
+
+
+def test_batched_step_on_the_default_model_tokenizer(gguf_tokenizer):
+    """The GGUF tokenizer of the default model (byte-level BPE with special tokens): chat text,
+    emoji and CJK through one detokenize_step per step equal add_token alone."""
+    import numpy as np
+
+    tok = gguf_tokenizer
+    rng = np.random.default_rng(0)
+    texts = ["<|im_start|>assistant\nThe capital of France is Paris. 😀 你好世界<|im_end|>",
+             "def add(a, b):\n    return a + b  # naïve café 🎉🎉", "한국어 텍스트 Straße 👍🏽 done."]
+
+    def draw_text():
+        text = texts[int(rng.integers(0, len(texts)))]
+        return text[int(rng.integers(0, len(text) // 2)):]
+
+    cases = [_stream_case(draw_text, tok, rng) for _ in range(40)]
+    results = _run_lockstep(cases, [tok] * len(cases), rng)
+    assert results["batched"] == results["solo"]
+    for case, r in zip(cases, results["batched"]):
+        assert (r["stop"], r["at"], r["text"]) == _first_stop_oracle(tok, *case)
+    assert any(r["stop"] is not None for r in results["batched"]), "some stop strings must be hit"
+    assert any(REPLACEMENT in tok.decode([i]) for _, ids, _, _ in cases for i in ids), "split characters"
+
+
+# ---------------------------------------------------------------------------------------------
+# The Rust fast path: only where it is exactly tokenizer.decode
+# ---------------------------------------------------------------------------------------------
+def test_rust_decode_batch_equals_transformers_decode(tiny_tokenizer, multilingual_tokenizer, gguf_tokenizer):
+    import numpy as np
+
+    from orca_jax.detokenizer import rust_decode_is_exact
+
+    rng = np.random.default_rng(1)
+    for tok in (tiny_tokenizer, multilingual_tokenizer, gguf_tokenizer):
+        assert rust_decode_is_exact(tok)
+        special = sorted(tok.all_special_ids)
+        id_lists = [rng.integers(0, len(tok), size=int(rng.integers(0, 9))).tolist() for _ in range(300)]
+        id_lists += [[special[0], *ids, special[-1]] for ids in id_lists[:50]]
+        expected = [tok.decode(ids, skip_special_tokens=True) for ids in id_lists]
+        assert tok.backend_tokenizer.decode_batch(id_lists, skip_special_tokens=True) == expected
+        assert any(REPLACEMENT in t for t in expected) and any(t == "" for t in expected)
+
+
+def _word_piece_tokenizer(clean_up: bool):
+    """A WordPiece tokenizer: there transformers' clean-up really changes the text (" ." -> ".")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[SEP]": 1, "hello": 2, "world": 3, ".": 4, "!": 5, "##s": 6, "it": 7, "'": 8}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=clean_up)
+
+
+def test_clean_up_and_custom_decoders_fall_back_to_tokenizer_decode(tiny_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    from orca_jax.detokenizer import detokenize_step, rust_decode_is_exact
+
+    class ShoutingTokenizer(PreTrainedTokenizerFast):  # a subclass with its own decoding
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = ShoutingTokenizer(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="</s>")
+    cleaning = _word_piece_tokenizer(clean_up=True)
+    assert rust_decode_is_exact(_word_piece_tokenizer(clean_up=False))
+    assert not rust_decode_is_exact(cleaning) and not rust_decode_is_exact(shouting)
+    ids = [2, 6, 4, 3, 5, 7, 8, 6, 1, 4]  # "hellos . world ! it ' s [SEP] ." before clean-up
+    assert cleaning.backend_tokenizer.decode(ids, skip_special_tokens=True) != cleaning.decode(
+        ids, skip_special_tokens=True)
+    cases = [(cleaning, ids), (shouting, tiny_tokenizer.encode("The quick brown fox", add_special_tokens=False))]
+    for tok, token_ids in cases:
+        batched = [IncrementalDetokenizer(tok, [2]), IncrementalDetokenizer(tiny_tokenizer, [2])]
+        solo = IncrementalDetokenizer(tok, [2])
+        for token in token_ids:
+            detokenize_step(batched, [token, token])
+            solo.add_token(token)
+        assert batched[0].text == solo.text
+        if tok is cleaning:  # cleaned up (the Rust decode alone would give " hellos . world ! ...")
+            assert batched[0].text.startswith(" hellos. world!"), batched[0].text
+    assert batched[0].text == "THE QUICK BROWN FOX"
+
+
+def test_detokenize_step_checks_its_arguments(tiny_tokenizer):
+    from orca_jax.detokenizer import detokenize_step
+
+    assert detokenize_step([], []) == []
+    with pytest.raises(ValueError, match="2 detokenizers for 1 tokens"):
+        detokenize_step([IncrementalDetokenizer(tiny_tokenizer, []), IncrementalDetokenizer(tiny_tokenizer, [])], [5])
+
+
+def test_text_pieces_are_joined_once_and_truncated_at_the_end(tiny_tokenizer):
+    """`text` reads the same however often it is read, and a stop string found after a read
+    (when the pieces were joined into one) still cuts at the right character."""
+    tok = tiny_tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    reading, unread = IncrementalDetokenizer(tok, [], ["lazy"]), IncrementalDetokenizer(tok, [], ["lazy"])
+    for token in ids:
+        found = reading.add_token(token)
+        assert unread.add_token(token) == found
+        assert reading.text == reading.text  # the second read is the cached join
+        if found:
+            break
+    assert found == "lazy" and reading.text == unread.text == "The quick brown fox jumps over the "
+    assert reading.take_delta(True) == unread.take_delta(True) == reading.text

@@ -74,7 +74,9 @@ def complete(url: str, model: str, prompt: list[int], fields: dict) -> str:
 
 
 def one_process_texts(model: str) -> list[str]:
-    engine = LLMEngine(model=model, warmup=False, **ENGINE_FLAGS)
+    # One step at a time here; the two-process server overlaps steps (the default): the
+    # texts must agree across both the process count and the scheduling mode.
+    engine = LLMEngine(model=model, warmup=False, async_scheduling=False, **ENGINE_FLAGS)
     for i, (prompt, fields) in enumerate(REQUESTS):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **fields))
     texts = {}

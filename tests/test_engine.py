@@ -119,7 +119,10 @@ class StepRecorder:
 
     def __call__(self):
         scheduled = self.real()
-        self.steps.append([(s.num_computed_tokens, n, s.num_tokens) for s, n in scheduled])
+        # Per row: tokens cached before it, its new tokens, the sequence's tokens before it
+        # (pending ones included, this row's sample not).
+        self.steps.append([(start, n, s.num_tokens + s.num_pending - samples) for s, n, start, samples
+                           in zip(scheduled.seqs, scheduled.num_new, scheduled.starts, scheduled.samples)])
         return scheduled
 
 
@@ -306,16 +309,16 @@ def test_failing_step_aborts_its_requests_only(engine, reference, monkeypatch):
              ("later-b", [7] * 25, greedy(8, ignore_eos=True))]
     expected = {rid: run_alone(engine, p, sp).token_ids for rid, p, sp in later}
 
-    real = engine.runner.execute
+    real = engine.runner.dispatch
     calls = []
 
-    def fail_once(batch):
-        calls.append(batch.metadata.num_seqs[0])
+    def fail_once(scheduled):
+        calls.append(len(scheduled))
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
-        return real(batch)
+        return real(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_once)
     # 10 + 10 + 12 tokens: the whole 32-token budget, so `later` stays waiting in that step.
     in_step = [(f"fail-{i}", [9 + i] * n, greedy(8)) for i, n in enumerate((10, 10, 12))]
     for rid, prompt, params in in_step + later:
@@ -337,17 +340,17 @@ def test_failing_step_after_the_cache_was_donated(engine, reference, monkeypatch
     """If the failed call consumed the donated cache, the engine rebuilds it and carries on."""
     queued_prompt = [13] * 20
     expected = run_alone(engine, queued_prompt, greedy(6, ignore_eos=True)).token_ids
-    real = engine.runner.execute
+    real = engine.runner.dispatch
     calls = []
 
-    def fail_after_donation(batch):
+    def fail_after_donation(scheduled):
         calls.append(1)
         if len(calls) == 2:
             engine.runner.kv_cache.delete()
             raise RuntimeError("lost the cache")
-        return real(batch)
+        return real(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_after_donation)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_after_donation)
     engine.add_request("victim", PROMPT, greedy(8, ignore_eos=True))
     engine.step()
     engine.add_request("chunked", [11] * 40, greedy(4, ignore_eos=True))
@@ -370,17 +373,17 @@ def test_failed_step_requeues_survivors_in_arrival_order(engine, monkeypatch):
     prompts = {name: [30 + i] * 20 for i, name in enumerate("ABCD")}
     expected = {name: run_alone(engine, p, greedy(4, ignore_eos=True)).token_ids for name, p in prompts.items()}
     use_request_level_policy(engine, monkeypatch)
-    real = engine.runner.execute
+    real = engine.runner.dispatch
     calls = []
 
-    def fail_first(batch):
+    def fail_first(scheduled):
         calls.append(1)
         if len(calls) == 1:
             engine.runner.kv_cache.delete()
             raise RuntimeError("lost the cache")
-        return real(batch)
+        return real(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_first)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_first)
     for name, prompt in prompts.items():
         engine.add_request(name, prompt, greedy(4, ignore_eos=True))
     outs = {o.request_id: o for o in engine.step()}  # A (20 tokens) and 12 of B fill the budget

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from orca_jax import LLM, SamplingParams
@@ -134,3 +136,36 @@ def test_n_and_stop_through_generate(llm, solo):
 def test_unknown_model_path():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(model="/nonexistent")
+
+
+def test_generate_asks_the_engine_for_final_outputs_only(llm, solo, monkeypatch):
+    """generate hands the engine copies of the params with output_kind="final_only" (the
+    caller's own are unchanged, one copy per distinct object); the results are the full
+    outputs whatever kind the caller chose."""
+    seen = []
+    real_add = llm.engine.add_request
+
+    def recording_add(request_id, prompt, params=None):
+        seen.append(params)
+        return real_add(request_id, prompt, params)
+
+    monkeypatch.setattr(llm.engine, "add_request", recording_add)
+    shared = greedy(12, logprobs=1)
+    outs = llm.generate(PROMPTS[:3], shared, use_tqdm=False)
+    assert shared.output_kind == "cumulative"
+    assert [p.output_kind for p in seen] == ["final_only"] * 3 and seen[0] is seen[1] is seen[2]
+    assert dataclasses.replace(seen[0], output_kind="cumulative") == shared
+    for out, (_, tokens, text) in zip(outs, solo):
+        assert out.token_ids == tokens and out.text == text and len(out.outputs[0].logprobs) == 12
+    seen.clear()
+    delta = llm.generate(PROMPTS[:2], [greedy(12, output_kind="delta"), greedy(12)], use_tqdm=False)
+    assert [p.output_kind for p in seen] == ["final_only"] * 2
+    assert [(o.token_ids, o.text) for o in delta] == [(t, x) for _, t, x in solo[:2]]
+    assert_idle(llm)
+
+
+def test_progress_bar_counts_prompts_and_tokens(llm, capsys):
+    llm.generate(PROMPTS, greedy(5), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and f"{len(PROMPTS)}/{len(PROMPTS)}" in err and "tok/s" in err
+    assert_idle(llm)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.batch import NO_TOKEN, SamplingInputs, encode_prompt_history
-from orca_jax.sampling import apply_penalties, sample, truncate
+from orca_jax.batch import SamplingInputs
+from orca_jax.sampling import TokenCounts, apply_penalties, sample, truncate
 
 MAX_LOGPROBS = 5
 sample_jit = jax.jit(sample, static_argnames=("max_logprobs",))
@@ -20,7 +20,7 @@ truncate_jit = jax.jit(truncate)
 penalties_jit = jax.jit(apply_penalties)
 
 
-def make_inputs(S, history_len=8, **overrides) -> SamplingInputs:
+def make_inputs(S, **overrides) -> SamplingInputs:
     """Rows default to greedy with every option off; overrides are scalars or per-row lists."""
     fields = dict(
         temperature=(0.0, np.float32), top_k=(0, np.int32), top_p=(1.0, np.float32),
@@ -32,18 +32,35 @@ def make_inputs(S, history_len=8, **overrides) -> SamplingInputs:
     for name, (default, dtype) in fields.items():
         value = overrides.pop(name, default)
         arrays[name] = np.broadcast_to(np.asarray(value, dtype), (S,)).copy()
-    history = overrides.pop("history", None)
-    arrays["history"] = np.full((S, history_len), NO_TOKEN, np.int32) if history is None else np.asarray(history, np.int32)
     assert not overrides, overrides
     return SamplingInputs(**arrays)
+
+
+def make_counts(V, prompts, outputs, row_slot=None) -> TokenCounts:
+    """The per-slot penalty state as the engine keeps it: slot r's output counts are the
+    bincount of outputs[r], its seen set the tokens of prompts[r]; row i reads slot
+    row_slot[i] (by default row i reads slot i)."""
+    R = len(prompts)
+    output_counts = np.zeros((R, V), np.int32)
+    prompt_seen = np.zeros((R, V), bool)
+    for slot in range(R):
+        output_counts[slot] = np.bincount(np.asarray(outputs[slot], int), minlength=V)
+        prompt_seen[slot, np.asarray(prompts[slot], int)] = True
+    row_slot = np.arange(R) if row_slot is None else row_slot
+    return TokenCounts(output_counts, prompt_seen, np.asarray(row_slot, np.int32))
+
+
+def no_counts(S, V) -> TokenCounts:
+    return make_counts(V, [[]] * S, [[]] * S)
 
 
 def random_logits(seed, S, V, scale=3.0):
     return (np.random.default_rng(seed).standard_normal((S, V)) * scale).astype(np.float32)
 
 
-def run(logits, inputs, max_logprobs=MAX_LOGPROBS):
-    out = sample_jit(jnp.asarray(logits), inputs, max_logprobs=max_logprobs)
+def run(logits, inputs, max_logprobs=MAX_LOGPROBS, counts=None):
+    counts = no_counts(*logits.shape) if counts is None else counts
+    out = sample_jit(jnp.asarray(logits), inputs, max_logprobs=max_logprobs, counts=counts)
     return jax.tree.map(np.asarray, out)
 
 
@@ -148,36 +165,69 @@ def numpy_penalties(logits, prompts, outputs, rep, freq, pres):
     return logits
 
 
+def random_slot_tokens(rng, num_slots, V):
+    """Prompt and output tokens per slot; slot 0 holds nothing, slot 1 the edge tokens 0 and
+    V - 1 in both, outputs drawn from a small range so that they repeat."""
+    prompts = [rng.integers(0, V, rng.integers(0, 12)) for _ in range(num_slots)]
+    outputs = [rng.integers(0, V // 2, rng.integers(0, 15)) for _ in range(num_slots)]
+    prompts[0], outputs[0] = np.array([], int), np.array([], int)
+    prompts[1], outputs[1] = np.array([0, V - 1]), np.array([V - 1, V - 1, 0])
+    return prompts, outputs
+
+
+PENALTY_ROWS = dict(
+    repetition_penalty=np.array([1.3, 1.5, 0.8, 1.0, 2.0, 1.0], np.float32),
+    frequency_penalty=np.array([0.5, 0.3, -0.4, 0.0, 2.0, 0.7], np.float32),
+    presence_penalty=np.array([-0.5, 1.0, 0.2, 1.5, -2.0, 0.0], np.float32),
+)
+
+
+def check_penalties(logits, prompts, outputs, row_slot, params):
+    """apply_penalties with row i reading slot row_slot[i] == numpy on that slot's tokens."""
+    inputs = make_inputs(logits.shape[0], **params)
+    counts = make_counts(logits.shape[1], prompts, outputs, row_slot)
+    got = np.asarray(penalties_jit(jnp.asarray(logits), inputs, counts))
+    expected = numpy_penalties(logits, [prompts[r] for r in row_slot], [outputs[r] for r in row_slot],
+                               params["repetition_penalty"], params["frequency_penalty"],
+                               params["presence_penalty"])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
+    return got
+
+
 def test_apply_penalties_matches_numpy():
     rng = np.random.default_rng(5)
-    S, V, L = 6, 40, 32
+    S, V = 6, 40
     logits = random_logits(5, S, V)
-    prompts, outputs = [], []
-    history = np.full((S, L), NO_TOKEN, np.int32)
-    for row in range(S):
-        n_prompt, n_out = rng.integers(0, 12), rng.integers(0, 15)
-        if row == 0:
-            n_prompt, n_out = 0, 0  # empty history
-        p = rng.integers(0, V, n_prompt)
-        o = rng.integers(0, V // 2, n_out)  # small range: repeated output tokens
-        prompts.append(p)
-        outputs.append(o)
-        history[row, :n_prompt] = encode_prompt_history(p)
-        history[row, n_prompt:n_prompt + n_out] = o
-    # Row 1: the edge tokens 0 and V - 1 in both prompt and output.
-    prompts[1] = np.array([0, V - 1])
-    outputs[1] = np.array([V - 1, V - 1, 0])
-    history[1] = NO_TOKEN
-    history[1, :2] = encode_prompt_history(prompts[1])
-    history[1, 2:5] = outputs[1]
-    rep = np.array([1.3, 1.5, 0.8, 1.0, 2.0, 1.0], np.float32)
-    freq = np.array([0.5, 0.3, -0.4, 0.0, 2.0, 0.7], np.float32)
-    pres = np.array([-0.5, 1.0, 0.2, 1.5, -2.0, 0.0], np.float32)
-    inputs = make_inputs(S, history=history, repetition_penalty=rep, frequency_penalty=freq,
-                         presence_penalty=pres)
-    got = np.asarray(penalties_jit(jnp.asarray(logits), inputs))
-    expected = numpy_penalties(logits, prompts, outputs, rep, freq, pres)
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
+    prompts, outputs = random_slot_tokens(rng, S, V)
+    got = check_penalties(logits, prompts, outputs, np.arange(S), PENALTY_ROWS)
+    np.testing.assert_array_equal(got[0], logits[0], err_msg="a slot without tokens is not penalised")
+    assert not np.allclose(got[1:], logits[1:]), "penalties changed nothing"
+
+
+def test_penalties_read_the_slot_of_each_row():
+    """Rows read their slot's counts through row_slot, which may permute slots and repeat one
+    (two rows of one slot cannot happen in a step, but the gather must not care)."""
+    rng = np.random.default_rng(6)
+    S, V = 6, 40
+    logits = random_logits(6, S, V)
+    prompts, outputs = random_slot_tokens(rng, S, V)
+    row_slot = np.array([3, 1, 5, 1, 0, 2])
+    got = check_penalties(logits, prompts, outputs, row_slot, PENALTY_ROWS)
+    identity = np.asarray(penalties_jit(jnp.asarray(logits), make_inputs(S, **PENALTY_ROWS),
+                                        make_counts(V, prompts, outputs)))
+    assert not np.allclose(got, identity), "row_slot was ignored"
+
+
+def test_penalties_with_more_slots_than_rows():
+    """The state has R = max_num_seqs + 1 slots and a step S rows; R > S, and the rows read
+    slots past S (and the last, the padding sink, for a padding row)."""
+    rng = np.random.default_rng(7)
+    R, S, V = 11, 6, 40
+    logits = random_logits(7, S, V)
+    prompts, outputs = random_slot_tokens(rng, R, V)
+    row_slot = np.array([9, 1, 4, 7, 2, R - 1])
+    prompts[R - 1], outputs[R - 1] = np.array([], int), np.array([], int)  # the sink holds nothing
+    check_penalties(logits, prompts, outputs, row_slot, PENALTY_ROWS)
 
 
 def test_penalties_steer_greedy_choice():
@@ -185,12 +235,18 @@ def test_penalties_steer_greedy_choice():
     logits = np.zeros((2, V), np.float32)
     logits[:, 3] = 2.0
     logits[:, 7] = 1.5
-    history = np.full((2, 4), NO_TOKEN, np.int32)
-    history[:, :2] = [3, 3]  # token 3 was generated twice
-    out = run(logits, make_inputs(2, history=history, frequency_penalty=[0.0, 0.5]))
+    counts = make_counts(V, [[], []], [[3, 3], [3, 3]])  # token 3 was generated twice
+    out = run(logits, make_inputs(2, frequency_penalty=[0.0, 0.5]), counts=counts)
     np.testing.assert_array_equal(out.tokens, [3, 7])  # 2 - 2 * 0.5 = 1 < 1.5
-    out = run(logits, make_inputs(2, history=history, repetition_penalty=[1.0, 1.5]))
+    out = run(logits, make_inputs(2, repetition_penalty=[1.0, 1.5]), counts=counts)
     np.testing.assert_array_equal(out.tokens, [3, 7])  # 2 / 1.5 = 1.33 < 1.5
+    # The repetition penalty also covers prompt tokens; presence and frequency do not.
+    prompt_only = make_counts(V, [[3], [3]], [[], []])
+    out = run(logits, make_inputs(2, repetition_penalty=[1.0, 1.5]), counts=prompt_only)
+    np.testing.assert_array_equal(out.tokens, [3, 7])
+    out = run(logits, make_inputs(2, frequency_penalty=[2.0, 2.0], presence_penalty=[2.0, 2.0]),
+              counts=prompt_only)
+    np.testing.assert_array_equal(out.tokens, [3, 3])
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,17 +276,23 @@ def test_same_seed_and_index_is_batch_invariant():
         for name, value in params.items():
             cols[name][row] = value
         seeds[row], idx[row], rep[row] = seed, index, 1.0
-        history = np.random.default_rng(other_seed).integers(-V - 1, V, (S, 16)).astype(np.int32)
-        history[row] = NO_TOKEN
-        return logits, make_inputs(S, seeds=seeds, sample_index=idx, repetition_penalty=rep,
-                                   history=history, **cols)
+        # Other slots hold random prompts and outputs; the target's slot (wherever the row
+        # maps it) holds none of its own.
+        rng = np.random.default_rng(other_seed)
+        R = S + 3
+        prompts = [rng.integers(0, V, 16) for _ in range(R)]
+        outputs = [rng.integers(0, V, 16) for _ in range(R)]
+        row_slot = rng.permutation(R)[:S]
+        prompts[row_slot[row]] = outputs[row_slot[row]] = np.array([], int)
+        inputs = make_inputs(S, seeds=seeds, sample_index=idx, repetition_penalty=rep, **cols)
+        return logits, inputs, make_counts(V, prompts, outputs, row_slot)
 
     for params in (target_params, plain_params):
         tokens = set()
         for S, row, other_seed, trunc, pen in [(1, 0, 10, False, False), (4, 3, 11, True, False),
                                                (8, 0, 12, False, True), (8, 5, 13, True, True)]:
-            logits, inputs = batch(S, row, other_seed, params, trunc, pen)
-            tokens.add(int(run(logits, inputs).tokens[row]))
+            logits, inputs, counts = batch(S, row, other_seed, params, trunc, pen)
+            tokens.add(int(run(logits, inputs, counts=counts).tokens[row]))
         assert len(tokens) == 1, (params, tokens)
 
 
@@ -298,13 +360,12 @@ def test_empirical_distribution_matches_softmax(temperature, rule, kept):
 def test_logprobs_are_of_the_raw_distribution():
     S, V = 6, 80
     logits = random_logits(8, S, V)
-    history = np.full((S, 8), NO_TOKEN, np.int32)
-    history[:, :3] = [1, 2, 3]
+    counts = make_counts(V, [[]] * S, [[1, 2, 3]] * S)  # penalties change the sampled set only
     inputs = make_inputs(S, temperature=[0.0, 0.8, 1.5, 0.0, 1.0, 0.3], top_k=[0, 10, 0, 0, 3, 0],
                          repetition_penalty=[1.0, 1.4, 1.0, 1.2, 1.0, 1.0], frequency_penalty=0.5,
-                         history=history, seeds=np.arange(S) + 9, sample_index=4,
+                         seeds=np.arange(S) + 9, sample_index=4,
                          want_logprobs=[True, False, True, True, False, True])
-    out = run(logits, inputs)
+    out = run(logits, inputs, counts=counts)
     raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
     np.testing.assert_allclose(out.logprobs, raw[np.arange(S), out.tokens], rtol=1e-6, atol=1e-6)
     assert out.top_logprobs.shape == (S, MAX_LOGPROBS) and out.top_ids.shape == (S, MAX_LOGPROBS)

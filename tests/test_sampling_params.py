@@ -74,6 +74,7 @@ INVALID = [
     ("seed", 1.5),
     ("stop", ""), ("stop", ["ok", ""]),
     ("stop_token_ids", [-1]),
+    ("output_kind", "streaming"), ("output_kind", None), ("output_kind", "DELTA"),
 ]
 
 
@@ -123,3 +124,19 @@ def test_large_integers_are_accepted_where_they_keep_a_meaning():
     assert SamplingParams(top_k=10**12).top_k == 10**12
     assert SamplingParams(seed=10**30).seed == 10**30 and SamplingParams(seed=-5).seed == -5
     SamplingParams(max_tokens=10**12, stop_token_ids=[10**30])
+
+
+def test_output_kind_defaults_to_cumulative_and_takes_vllms_three_kinds():
+    from orca_jax.sampling_params import OUTPUT_KINDS
+
+    assert SamplingParams().output_kind == "cumulative"  # vLLM's default, RequestOutputKind.CUMULATIVE
+    assert OUTPUT_KINDS == ("cumulative", "delta", "final_only")
+    for kind in OUTPUT_KINDS:
+        assert SamplingParams(output_kind=kind).output_kind == kind
+    # A copy with another kind keeps every other field (what LLM and the server do).
+    p = SamplingParams(max_tokens=5, stop="x", top_k=-1, temperature=1e-300)
+    q = dataclasses.replace(p, output_kind="delta")
+    assert q.output_kind == "delta" and p.output_kind == "cumulative"
+    assert dataclasses.replace(q, output_kind="cumulative") == p
+    with pytest.raises(RequestError, match="output_kind must be one of cumulative, delta, final_only, got 'x'"):
+        SamplingParams(output_kind="x")

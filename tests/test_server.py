@@ -298,13 +298,13 @@ def test_openai_client_raises_bad_request(live):
 
 # ---- faults ------------------------------------------------------------------------------------
 def slow_steps(monkeypatch, engine, seconds: float) -> None:
-    real_execute = engine.runner.execute
+    real_execute = engine.runner.dispatch
 
     def slow(batch):
         time.sleep(seconds)
         return real_execute(batch)
 
-    monkeypatch.setattr(engine.runner, "execute", slow)
+    monkeypatch.setattr(engine.runner, "dispatch", slow)
 
 
 def test_client_disconnect_mid_stream_returns_its_pages(live, monkeypatch):
@@ -336,7 +336,7 @@ def test_disconnect_of_a_non_streamed_request_aborts_it(live, monkeypatch):
 
 
 def test_failed_step_is_a_500_and_the_server_recovers(live, monkeypatch):
-    real_execute = live.engine.runner.execute
+    real_execute = live.engine.runner.dispatch
     calls = {"n": 0}
 
     def fail_first(batch):
@@ -345,7 +345,7 @@ def test_failed_step_is_a_500_and_the_server_recovers(live, monkeypatch):
             raise RuntimeError("injected device fault")
         return real_execute(batch)
 
-    monkeypatch.setattr(live.engine.runner, "execute", fail_first)
+    monkeypatch.setattr(live.engine.runner, "dispatch", fail_first)
     failed = live.post("/v1/completions", completion())
     assert failed.status_code == 500
     assert failed.json()["error"]["type"] == "server_error"

@@ -114,13 +114,13 @@ class BackgroundStream:
 @pytest.fixture
 def concurrent_stream(server, stream_reference, monkeypatch):
     """A stream that runs while the test sends its request, and must end undisturbed."""
-    real_execute = server.engine.runner.execute
+    real_execute = server.engine.runner.dispatch
 
     def slow(batch):  # 30 steps of 10 ms: the stream spans the test's request
         time.sleep(0.01)
         return real_execute(batch)
 
-    monkeypatch.setattr(server.engine.runner, "execute", slow)
+    monkeypatch.setattr(server.engine.runner, "dispatch", slow)
     stream = BackgroundStream(server)
     stream.thread.start()
     assert stream.started.wait(30)

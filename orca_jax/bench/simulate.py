@@ -1,7 +1,7 @@
 """`orca-jax bench simulate`: Orca's experiment at the paper's scale, without the model.
 
-The engine's own step (`orca_jax.step.run_step`: the real `Scheduler`, `PageAllocator`,
-`build_batch` and postprocess) runs on a virtual clock, with a runner that stands in for the
+The engine's own step (`orca_jax.step.run_step`: the real `Scheduler`, `PageAllocator`
+and postprocess) runs on a virtual clock, with a runner that stands in for the
 model (`ZeroTokenRunner`: every sampled token is 0, EOS is ignored). Before each step the
 requests whose arrival time has passed join the scheduler; each step advances the clock by the
 cost model's step time (cost_model.py) for the batch it ran; postprocess appends a token to
@@ -25,7 +25,7 @@ from orca_jax.bench.latency import RequestTiming, curve_from_runs, summarize, th
 from orca_jax.bench.orca import POLICIES, RATIO_FACTORS
 from orca_jax.bench.trace import Trace, make_trace
 from orca_jax.sampling import SampleOutput
-from orca_jax.step import run_step
+from orca_jax.step import Ready, run_step
 
 # Orca, section 6.2, GPT-3 175B on 16 A100s: at a median normalized latency of 190 ms/token,
 # 6.81 requests/s for Orca against 0.185 for FasterTransformer.
@@ -56,8 +56,7 @@ def step_work(result) -> StepWork:
     """FLOP and byte counts of one step (`orca_jax.step.StepResult`): its new tokens, the
     cached tokens they read, and the rows that produced a token."""
     new = kv_read = pairs = 0
-    for seq, n_new in result.scheduled:
-        cached = seq.num_computed_tokens - n_new  # postprocess has advanced it by n_new
+    for n_new, cached in zip(result.scheduled.num_new, result.scheduled.starts):
         new += n_new
         kv_read += cached
         pairs += n_new * cached + n_new * (n_new + 1) // 2  # causal within the new tokens
@@ -67,10 +66,10 @@ def step_work(result) -> StepWork:
 class ZeroTokenRunner:
     """The model's stand-in: token 0 for every row (EOS is ignored), no log-probabilities."""
 
-    def execute(self, batch):
-        S = batch.logits_indices.shape[0]
-        return SampleOutput(tokens=np.zeros(S, np.int32), logprobs=np.zeros(S, np.float32),
-                            top_ids=np.zeros((S, 0), np.int32), top_logprobs=np.zeros((S, 0), np.float32))
+    def dispatch(self, scheduled):
+        S = len(scheduled)
+        return Ready(SampleOutput(tokens=np.zeros(S, np.int32), logprobs=np.zeros(S, np.float32),
+                            top_ids=np.zeros((S, 0), np.int32), top_logprobs=np.zeros((S, 0), np.float32)))
 
 
 def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | None = None,
@@ -98,7 +97,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
         if not scheduler.has_unfinished():
             now = trace.arrival_times[next_request]  # idle: jump to the next arrival
             continue
-        result = run_step(scheduler, runner, scheduler.config)
+        result = run_step(scheduler, runner)
         if result is None:
             raise RuntimeError(f"{policy}: the scheduler returned an empty step with requests waiting "
                                "(a request larger than the KV pool?)")
