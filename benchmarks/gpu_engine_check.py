@@ -27,58 +27,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from orca_jax.bench.random_model import write_random_checkpoint
+
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
                     rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
                     model_type="llama", bos_token_id=1, eos_token_id=2)
 TINY = dict(LLAMA_3_2_1B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
-
-
-def write_random_checkpoint(directory: Path, config: dict, dtype: str, seed: int = 0) -> Path:
-    """config.json + model.safetensors with random weights of the right shapes + a tokenizer."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
-    D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    N, K, H = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-
-    def w(*shape, scale=0.02):
-        return (rng.standard_normal(shape, np.float32) * scale).astype(np_dtype)
-
-    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": np.ones(D, np_dtype)}
-    if not config["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = w(V, D)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(N * H, D), p + "self_attn.k_proj.weight": w(K * H, D),
-            p + "self_attn.v_proj.weight": w(K * H, D), p + "self_attn.o_proj.weight": w(D, N * H),
-            p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
-            p + "mlp.down_proj.weight": w(D, F),
-            p + "input_layernorm.weight": np.ones(D, np_dtype), p + "post_attention_layernorm.weight": np.ones(D, np_dtype),
-        }
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(config))
-    _write_byte_tokenizer(directory)
-    return directory
-
-
-def _write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level BPE with no merges: enough to detokenize whatever ids the model emits."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(directory)
 
 
 def check_parity(workdir: Path) -> dict:
@@ -93,12 +49,12 @@ def check_parity(workdir: Path) -> dict:
     for backend in ("cpu", "gpu"):
         with jax.default_device(jax.devices(backend)[0]), jax.default_matmul_precision("highest"):
             engine = LLMEngine(model=str(path), max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
-                               num_pages=64, max_model_len=128, warmup=False,
+                               num_pages=64, max_model_len=128, warmup=False, async_scheduling=False,
                                make_runner=functools.partial(ModelRunner, keep_logits=True))
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
             rows, tokens = [], {}
-            while engine.has_unfinished_requests():
+            while engine.has_unfinished_requests():  # synchronous: each step() completes its own step
                 for out in engine.step():
                     if out.finished:
                         tokens[out.request_id] = list(out.outputs[0].token_ids)

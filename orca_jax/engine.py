@@ -275,7 +275,7 @@ class LLMEngine:
             if r.finished:
                 del self.requests[r.request_id]
         if self.last_step is not None and self._completed_timing is not None:
-            self._completed_timing.outputs_s = time.perf_counter() - started
+            self._completed_timing.outputs_s += time.perf_counter() - started
         return outputs
 
     def _dispatch(self, touched: dict[str, Request]) -> bool:
@@ -313,10 +313,12 @@ class LLMEngine:
             return
         self.num_steps += 1
         self.last_step = result
+        recording = time.perf_counter()
         for request in self._record_new_tokens(result):
             touched[request.request_id] = request
         self._completed_timing = step.timing
         if step.timing is not None:
+            step.timing.outputs_s = time.perf_counter() - recording  # step() adds building the outputs
             step.timing.detokenize_s = self._detokenize_s
             step.timing.postprocess_s -= self._detokenize_s
             step.timing.gc_s += self.timeline.gc_seconds() - gc_before

@@ -13,6 +13,8 @@ README says why the two trees are apart.)
     cost_model.py   step time of a large model on a multi-GPU machine, from FLOPs and bytes
     simulate.py     `bench simulate`: the real scheduler and page allocator on a virtual clock
     startup.py      `bench startup`: process start to first token of `orca-jax generate`, cold and warm caches
+    host.py         `bench host`: host time per step, part by part, and device idle time, sync vs async
+    random_model.py random Llama checkpoints (numpy + safetensors) for bench host and the GPU scripts
     cost_models/    the cost models' parameters, one TOML per machine and model (shipped)
     plots.py        the figure: median normalized latency against throughput, one curve per policy
     environment.py  machine, versions, memory, the command: what every JSON record states

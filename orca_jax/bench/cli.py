@@ -1,4 +1,4 @@
-"""`orca-jax bench orca | offline | serve | simulate`: argument parsing and output files.
+"""`orca-jax bench orca | offline | serve | simulate | startup | host`: argument parsing and output files.
 
 Every subcommand prints its table, writes a JSON record (and a figure where there are curves)
 and records the exact command, machine and date inside the JSON.
@@ -289,6 +289,78 @@ def _add_startup_parser(sub) -> None:
     p.set_defaults(func=cmd_startup)
 
 
+# ---- bench host -----------------------------------------------------------------------------------
+def _sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers; empty for none."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return values
+
+
+def cmd_host(args) -> int:
+    import sys
+
+    from orca_jax.bench.driver import BenchmarkError
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.host import HostSettings, format_report, run_host
+
+    settings = HostSettings(
+        models=args.models, num_seqs=args.num_seqs, max_model_lens=args.max_model_len, mixes=args.mixes,
+        modes=args.modes, warm_steps=args.warm_steps, steps=args.steps, prompt_len=args.prompt_len,
+        long_steps=args.long_steps, long_model=args.long_model, long_mix=args.long_mix, offline=args.offline,
+        offline_max_num_seqs=args.offline_max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size, switch_interval_s=args.switch_interval, seed=args.seed)
+    try:
+        record = run_host(settings, command_from_args("host", args), progress=lambda line: print(line, flush=True))
+    except BenchmarkError as exc:  # the engine lacks what the bench reads, or a cell went wrong
+        print(f"orca-jax bench host: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0
+
+
+def _add_host_parser(sub) -> None:
+    from orca_jax.bench.host import HostSettings
+
+    d = HostSettings()
+    p = sub.add_parser("host", help="host time per engine step, part by part, and device idle time, "
+                                    "synchronous and overlapped scheduling side by side")
+    p.add_argument("--models", type=_names, default=d.models,
+                   help=f"random host models: tiny, balanced (default {','.join(d.models)}; '' for none)")
+    p.add_argument("--num-seqs", type=_sizes, default=d.num_seqs, help="running sequences per cell (default 32,64,128,256)")
+    p.add_argument("--max-model-len", type=_sizes, default=d.max_model_lens,
+                   help="engines' max_model_len (default 2048,4096,8192)")
+    p.add_argument("--mixes", type=_names, default=d.mixes, help="request mixes: greedy, realistic (default both)")
+    p.add_argument("--modes", type=_names, default=d.modes, help="scheduling modes: sync, async (default both)")
+    p.add_argument("--warm-steps", type=_positive_int, default=d.warm_steps,
+                   help=f"decode-only steps in a row before recording (default {d.warm_steps})")
+    p.add_argument("--steps", type=_positive_int, default=d.steps, help=f"recorded steps per cell (default {d.steps})")
+    p.add_argument("--prompt-len", type=_positive_int, default=d.prompt_len, help=f"prompt tokens (default {d.prompt_len})")
+    p.add_argument("--long-steps", type=int, default=d.long_steps,
+                   help=f"decode steps before the long cell records (default {d.long_steps}; 0: no long cell)")
+    p.add_argument("--long-mix", default=d.long_mix, choices=("greedy", "realistic"),
+                   help=f"request mix of the long cell (default {d.long_mix})")
+    p.add_argument("--long-model", default=d.long_model,
+                   help=f"model of the long cell, also when --models leaves it out (default {d.long_model})")
+    p.add_argument("--offline", action="store_true",
+                   help="also bench offline's orca_jax run (default model) at --offline-max-num-seqs, per mode")
+    p.add_argument("--offline-max-num-seqs", type=_sizes, default=d.offline_max_num_seqs,
+                   help="max_num_seqs of the offline runs (default 16,64)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens,
+                   help=f"token budget per step, above the largest --num-seqs (default {d.max_num_batched_tokens})")
+    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help=f"tokens per KV page (default {d.page_size})")
+    p.add_argument("--switch-interval", type=_positive_float, default=d.switch_interval_s,
+                   help=f"sys.setswitchinterval while measuring, seconds (default {d.switch_interval_s:g})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the prompts")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/host_cpu.json", help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_host)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -298,3 +370,4 @@ def add_bench_parser(subparsers) -> None:
     _add_serve_parser(sub)
     _add_simulate_parser(sub)
     _add_startup_parser(sub)
+    _add_host_parser(sub)
