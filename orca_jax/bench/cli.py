@@ -116,7 +116,7 @@ def cmd_offline(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
         page_size=args.page_size, peers=() if args.skip_peers else args.peers, seed=args.seed,
         torch_threads=args.torch_threads, torch_device=args.torch_device, matmul_size=args.matmul_size,
-        matmul_repeats=args.matmul_repeats)
+        matmul_repeats=args.matmul_repeats, async_scheduling=args.async_scheduling)
     record = run_offline(settings, command_from_args("offline", args))
     print(format_report(record))
     write_json(record, args.json)
@@ -137,6 +137,8 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
                    help="orca_jax dtype (the transformers peers always run float32)")
     p.add_argument("--max-model-len", type=_positive_int, default=None, help="orca_jax max_model_len (default: the model's)")
     p.add_argument("--page-size", type=_positive_int, default=16, help="orca_jax tokens per KV page (default 16)")
+    p.add_argument("--async-scheduling", default=True, action=argparse.BooleanOptionalAction,
+                   help="orca_jax overlaps the host's work with the device's (default: on)")
     p.add_argument("--peers", type=_names, default=("static", "continuous"),
                    help="comma-separated transformers peers: static (generate), continuous (default both)")
     p.add_argument("--skip-peers", action="store_true", help="run orca_jax only (no torch needed)")

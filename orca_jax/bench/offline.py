@@ -39,6 +39,7 @@ class OfflineSettings:
     torch_device: str = "auto"  # cuda when available
     matmul_size: int = 2048
     matmul_repeats: int = 5
+    async_scheduling: bool = True  # orca_jax's overlapped steps (False: one step at a time)
 
     def __post_init__(self):
         if unknown := [p for p in self.peers if p not in PEERS]:
@@ -50,7 +51,7 @@ def start_orca(s: OfflineSettings) -> dict[str, Any]:
     from orca_jax import LLM
 
     engine_args = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                       dtype=s.dtype, page_size=s.page_size)
+                       dtype=s.dtype, page_size=s.page_size, async_scheduling=s.async_scheduling)
     if s.max_model_len is not None:
         engine_args["max_model_len"] = s.max_model_len
     rss_before = environment.current_rss_bytes()  # imports only, nothing loaded yet
