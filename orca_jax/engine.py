@@ -114,9 +114,9 @@ class LLMEngine:
         self.num_steps = 0  # steps completed (or failed)
         self.num_dispatched = 0
         self.last_step: StepResult | None = None  # the step this step() call completed, if any (tests, introspection)
-        self.timeline = StepTimeline()
-        self._completed_timing = None
-        self._detokenize_s = 0.0  # per-step host parts and device timestamps, while enabled (bench host)
+        self.timeline = StepTimeline()  # per-step host parts and device timestamps, while enabled (bench host)
+        self._completed_timing = None  # the timeline record of the step this step() call completed
+        self._detokenize_s = 0.0  # seconds detokenizing in the step being completed
         # Seconds per start-up phase (and warm-up's program counts), for logs and `bench startup`.
         self.startup_timings: dict[str, float] = {
             "load_model_s": loaded_at - started,
