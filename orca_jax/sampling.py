@@ -1,17 +1,32 @@
-"""Token sampling inside the jitted step, one row per sequence.
+"""Token sampling inside the jitted step, one row per sequence, at the cost each row asks for.
 
 Order of operations (as in vLLM): penalties, then greedy argmax or temperature, top-k / top-p /
-min-p truncation and a Gumbel-max draw. Optional work (penalties, truncation, random draws,
-top log-probabilities) sits behind `lax.cond` on whether any row asks for it, so a batch of
-greedy requests pays for an argmax only, without a second compiled program.
+min-p truncation and a draw. Every optional piece sits behind a `lax.cond` on whether any row
+asks for it, so one compiled program serves every mix:
 
-Randomness is a pure function of (sequence seed, output index), so a seeded request gives the
-same tokens whatever else shares its batch, and after a preemption.
+    rows in the batch           work on the logits f32[S, V]
+    all greedy                  a max and a first-index-of-max: two vectorised reductions
+    any temperature > 0         one exp pass over [S, V] and a blocked inverse-CDF draw
+    any top-k / top-p / min-p   + per truncating row: a top-256 candidate search (an exact
+                                  bisection when the kept set is larger), never a sort
+    any logprobs                + a log-softmax and a top-k of [S, V]
+
+Truncation keeps, in each row, every token whose logit is at or above a cut-off: the k-th
+largest logit (top-k), the smallest logit whose strictly-greater mass is below top_p (top-p),
+`max + log(min_p)` (min-p); the row keeps the intersection, so the highest cut-off. That
+value-defined set is the one a descending sort and a prefix count give (ties included), so the
+distribution is the sort's; tests check it against one.
+
+The draw is inverse-CDF sampling with one uniform number per row, a pure function of
+(sequence seed, output index): a seeded request gives the same tokens whatever else shares its
+batch, and after a preemption. (A Gumbel-max draw needs a random number per vocabulary entry;
+on XLA:CPU that alone cost more than the model's dense layers at batch 32.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -19,11 +34,20 @@ import jax.numpy as jnp
 
 from orca_jax.batch import SamplingInputs
 
+# Candidates a truncating row takes with lax.top_k before falling back to a bisection: enough
+# for common top-k values and for the nucleus of all but the flattest distributions.
+NUM_CANDIDATES = 256
+# Vocabulary entries per block of the inverse-CDF draw: the draw finds its block from the
+# [S, V / block] block sums, then its token inside one gathered block.
+DRAW_BLOCK = 256
+
 
 @dataclass(frozen=True)
 class SampleOutput:
     tokens: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]: log-probability of the sampled token (raw model distribution)
+    # f32[S]: log-probability of the sampled token (raw model distribution); zeros in a step
+    # where no row asked for log-probabilities.
+    logprobs: jax.Array
     top_ids: jax.Array  # i32[S, K]
     top_logprobs: jax.Array  # f32[S, K]
     # f32[S, V], the logits sampled from: only from a runner built with keep_logits (tests).
@@ -50,30 +74,26 @@ for _cls in (SampleOutput, TokenCounts):
 
 def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts: TokenCounts) -> SampleOutput:
     """logits f32[S, V] -> SampleOutput."""
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-
+    raw_logits = logits.astype(jnp.float32)
     uses_penalties = jnp.any(
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
-    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, logits, inputs, counts)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    is_random = inputs.temperature > 0
-    tokens = jax.lax.cond(
-        jnp.any(is_random),
-        lambda: jnp.where(is_random, _draw(logits, inputs), greedy_tokens),
-        lambda: greedy_tokens,
-    )
-
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, raw_logits, inputs, counts)
+    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
     k = max(1, max_logprobs)
-    top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(inputs.want_logprobs),
-        lambda: tuple(jax.lax.top_k(raw_logprobs, k)),
-        lambda: (jnp.zeros((logits.shape[0], k), jnp.float32), jnp.zeros((logits.shape[0], k), jnp.int32)),
-    )
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    token_logprobs, top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(inputs.want_logprobs), functools.partial(_logprobs, k=k), functools.partial(_no_logprobs, k=k),
+        raw_logits, tokens)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """The first index of each row's maximum, as jnp.argmax, from two plain reductions: XLA:CPU's
+    fused (value, index) argmax reduction ran 2-4x slower than a max and a second max."""
+    V = logits.shape[-1]
+    row_max = logits.max(axis=-1, keepdims=True)
+    minus_index = jnp.where(logits == row_max, -jnp.arange(V, dtype=jnp.float32), -jnp.inf)
+    return jnp.clip(-minus_index.max(axis=-1), 0, V - 1).astype(jnp.int32)  # clip: a NaN row
 
 
 def apply_penalties(logits: jax.Array, inputs: SamplingInputs, counts: TokenCounts) -> jax.Array:
@@ -90,35 +110,151 @@ def apply_penalties(logits: jax.Array, inputs: SamplingInputs, counts: TokenCoun
     return logits
 
 
-def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """Temperature, truncation, then a Gumbel-max draw keyed by (seed, output index)."""
-    temperature = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)
-    logits = logits / temperature[:, None]
-    needs_truncation = jnp.any((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0))
-    logits = jax.lax.cond(needs_truncation, truncate, lambda l, _: l, logits, inputs)
+def draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """Tokens of a batch with at least one random row. Random rows draw from softmax(logits / T)
+    over their kept set; greedy rows keep only their maximum and draw at u = 0, which picks its
+    first occurrence, so they get exactly `greedy`'s token."""
+    is_random = inputs.temperature > 0
+    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
+    row_max = scaled.max(axis=-1)
+    truncating = is_random & truncates(inputs)  # a greedy row ignores its truncation rules
+    cutoffs = jax.lax.cond(jnp.any(truncating), truncation_cutoffs,
+                           lambda x, *_: jnp.full(x.shape[:1], -jnp.inf), scaled, inputs, truncating)
+    cutoffs = jnp.where(is_random, jnp.minimum(cutoffs, row_max), row_max)
+    weights = jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
+    u = jnp.where(is_random, jax.vmap(_uniform)(inputs.seeds, inputs.sample_index), 0.0)
+    return inverse_cdf(weights, u)
 
-    def gumbel_row(seed, index, vocab_size=logits.shape[-1]):
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
 
-    noise = jax.vmap(gumbel_row)(inputs.seeds, inputs.sample_index)
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+def _uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), index), (), jnp.float32)
 
 
-def truncate(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """Keep the top-k / top-p (nucleus) / min-p set of each row; the rest goes to -inf.
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row, the first token whose cumulative weight (in vocabulary order) exceeds u times
+    the row's total: a draw with probability weight / total, from one uniform u in [0, 1).
 
-    Each rule keeps a prefix of the tokens sorted by logit, so their intersection is the
-    shortest prefix, found as a count and turned into a logit cut-off (no scatter needed)."""
-    S, V = logits.shape
-    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    keep_k = jnp.where(inputs.top_k > 0, jnp.minimum(inputs.top_k, V), V)
-    # Nucleus: keep a token while the mass before it is below top_p (always keeps the first).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p = 1 must keep everything: a float32 cumsum can reach 1.0 before the last token.
-    keep_p = jnp.where(inputs.top_p < 1, jnp.sum(mass_before < inputs.top_p[:, None], axis=-1), V)
-    keep_min_p = jnp.sum(probs >= inputs.min_p[:, None] * probs[:, :1], axis=-1)
-    keep = jnp.maximum(1, jnp.minimum(jnp.minimum(keep_k, keep_p), keep_min_p))
-    cutoff = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+    weights f32[S, V] >= 0 with a positive entry per row. Two levels, so nothing scans the
+    whole vocabulary serially: block sums locate the block, a cumulative sum inside that one
+    gathered block locates the token. The chosen token always has a positive weight: the
+    cumulative sum rises past the target exactly there."""
+    S, V = weights.shape
+    block = min(DRAW_BLOCK, V)
+    num_blocks = -(-V // block)
+    padded = jnp.pad(weights, ((0, 0), (0, num_blocks * block - V))).reshape(S, num_blocks, block)
+    block_cum = jnp.cumsum(padded.sum(axis=-1), axis=-1)  # [S, num_blocks]
+    total = block_cum[:, -1]
+    # u * total may round up to total when u is within 2^-24 of 1; the target must stay below.
+    target = jnp.minimum(u * total, jnp.nextafter(total, 0.0))
+    chosen = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), num_blocks - 1)
+    before = jnp.where(chosen > 0, jnp.take_along_axis(block_cum, jnp.maximum(chosen - 1, 0)[:, None], -1)[:, 0], 0.0)
+    in_block = jnp.take_along_axis(padded, chosen[:, None, None], axis=1)[:, 0]  # [S, block]
+    in_cum = jnp.cumsum(in_block, axis=-1)
+    # The block's own running sum may round below its block sum: keep the target inside it.
+    offset = jnp.minimum(target - before, jnp.nextafter(in_cum[:, -1], 0.0))
+    within = jnp.minimum(jnp.sum(in_cum <= offset[:, None], axis=-1), block - 1)
+    return (chosen * block + within).astype(jnp.int32)
+
+
+def truncates(inputs: SamplingInputs) -> jax.Array:
+    """bool[S]: rows with a top-k, top-p or min-p rule."""
+    return (inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)
+
+
+def truncation_cutoffs(scaled: jax.Array, inputs: SamplingInputs, rows: jax.Array) -> jax.Array:
+    """f32[S]: the logit cut-off of each row's kept set (-inf keeps everything), computed only
+    for `rows` (bool[S]), one row at a time, so that one top-p request does not make the whole
+    batch pay."""
+    S = scaled.shape[0]
+    order = jnp.nonzero(rows, size=S, fill_value=0)[0]
+
+    def one_row(i, cutoffs):
+        r = order[i]
+        cutoff = row_cutoff(scaled[r], inputs.top_k[r], inputs.top_p[r], inputs.min_p[r])
+        return cutoffs.at[r].set(cutoff)
+
+    return jax.lax.fori_loop(0, jnp.sum(rows), one_row, jnp.full((S,), -jnp.inf, jnp.float32))
+
+
+def row_cutoff(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The cut-off of one row x f32[V]: the highest of its top-k, top-p and min-p cut-offs.
+
+    The top-k candidates decide top-k and top-p exactly when the kept set lies inside them; an
+    exact bisection over the row's logits runs only when it does not."""
+    V = x.shape[0]
+    k = min(NUM_CANDIDATES, V)
+    row_max = x.max()
+    log_total = row_max + jnp.log(jnp.sum(jnp.exp(x - row_max)))
+    candidates = jax.lax.top_k(x, k)[0]  # descending
+
+    wants_k = (top_k > 0) & (top_k < V)
+    k_fits = top_k <= k
+    by_k = jnp.where(k_fits, candidates[jnp.clip(top_k - 1, 0, k - 1)], row_max)
+
+    probs = jnp.exp(candidates - log_total)
+    mass_before = jnp.cumsum(probs) - probs
+    keep_p = jnp.sum(mass_before < top_p)  # a prefix of the candidates: mass_before rises
+    wants_p = top_p < 1
+    p_fits = keep_p < k
+    by_p = candidates[jnp.clip(keep_p - 1, 0, k - 1)]
+
+    by_k = jax.lax.cond(wants_k & ~k_fits, lambda: kth_largest(x, top_k), lambda: by_k)
+    by_p = jax.lax.cond(wants_p & ~p_fits, lambda: nucleus_cutoff(x, log_total, top_p), lambda: by_p)
+    by_min_p = jnp.where(min_p > 0, row_max + jnp.log(min_p), -jnp.inf)
+    return jnp.maximum(jnp.maximum(jnp.where(wants_k, by_k, -jnp.inf), jnp.where(wants_p, by_p, -jnp.inf)),
+                       by_min_p)
+
+
+# Bisection over float32 values in order: a float's bits, flipped for negatives, sort as int32.
+def _order_key(x: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key), jnp.float32)
+
+
+def _lowest_key_where(holds, low: jax.Array, high: jax.Array) -> jax.Array:
+    """The lowest int32 key in [low, high] where the monotone predicate `holds` (false below,
+    true from some key on) is true; `holds(high)` must be true. 32 halvings at most."""
+    def halve(bounds):
+        lo, hi = bounds
+        # floor((lo + hi) / 2) without overflow: the keys span the whole int32 range.
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, _ = jax.lax.while_loop(lambda b: b[0] < b[1], halve, (low, high))
+    return lo
+
+
+def kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
+    """The k-th largest entry of x (ties counted), for a k too large for the candidates: the
+    highest value with at least k entries at or above it."""
+    keys = _order_key(x)
+    # "fewer than k entries above key" is monotone in key; its lowest key is the answer.
+    key = _lowest_key_where(lambda key: jnp.sum(keys > key) < k, keys.min(), keys.max())
+    return _from_order_key(key)
+
+
+def nucleus_cutoff(x: jax.Array, log_total: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The lowest logit c such that the probability of the tokens strictly above c is below
+    top_p: every token at or above it is in the nucleus, every token below it is not."""
+    keys = _order_key(x)
+    probs = jnp.exp(x - log_total)
+    key = _lowest_key_where(lambda key: jnp.sum(jnp.where(keys > key, probs, 0.0)) < top_p, keys.min(), keys.max())
+    # The lowest such key may fall between two logits: the cut-off is the next logit up.
+    return jnp.min(jnp.where(keys >= key, x, jnp.inf))
+
+
+def _logprobs(raw_logits: jax.Array, tokens: jax.Array, k: int):
+    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
+    return token_logprobs, top_logprobs, top_ids.astype(jnp.int32)
+
+
+def _no_logprobs(raw_logits: jax.Array, tokens: jax.Array, k: int):
+    S = raw_logits.shape[0]
+    return jnp.zeros((S,), jnp.float32), jnp.zeros((S, k), jnp.float32), jnp.zeros((S, k), jnp.int32)

@@ -1,6 +1,8 @@
 """Sampling inside the step: greedy, truncation, penalties, seeded draws, log-probabilities.
 
-Everything runs under jax.jit, as in the engine.
+Everything runs under jax.jit, as in the engine. The kept sets of the sort-free truncation are
+checked against a descending sort in float64 (`sort_oracle_kept`), the algorithm sampling used
+before it stopped sorting, and the draws against the exact distribution.
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ import numpy as np
 import pytest
 
 from orca_jax.batch import SamplingInputs
-from orca_jax.sampling import TokenCounts, apply_penalties, sample, truncate
+from orca_jax.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, greedy, inverse_cdf, sample,
+                                truncates, truncation_cutoffs)
 
 MAX_LOGPROBS = 5
 sample_jit = jax.jit(sample, static_argnames=("max_logprobs",))
-truncate_jit = jax.jit(truncate)
 penalties_jit = jax.jit(apply_penalties)
+
+
+@jax.jit
+def kept_mask(logits, inputs):
+    """bool[S, V]: the tokens each truncating row keeps (every token for the others)."""
+    cutoffs = truncation_cutoffs(logits, inputs, truncates(inputs))
+    return logits >= cutoffs[:, None]
 
 
 def make_inputs(S, **overrides) -> SamplingInputs:
@@ -130,12 +139,10 @@ def test_truncate_keeps_expected_sets():
     logits = np.tile(np.log(PROBS).astype(np.float32) + 1.5, (S, 1))  # shift: softmax-invariant
     columns = {name: [rule.get(name, default) for rule, _ in TRUNCATION_CASES]
                for name, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
-    out = np.asarray(truncate_jit(jnp.asarray(logits), make_inputs(S, **columns)))
+    out = np.asarray(kept_mask(jnp.asarray(logits), make_inputs(S, **columns)))
     for row, (rule, n_keep) in enumerate(TRUNCATION_CASES):
-        kept = set(np.flatnonzero(np.isfinite(out[row])))
+        kept = set(np.flatnonzero(out[row]))
         assert kept == set(ORDER[:n_keep]), (rule, kept)
-        np.testing.assert_array_equal(out[row][list(kept)], logits[row][list(kept)])
-        assert np.all(out[row][~np.isfinite(out[row])] == -np.inf)
 
 
 def test_top_p_one_keeps_whole_vocabulary_next_to_truncating_rows():
@@ -144,8 +151,140 @@ def test_top_p_one_keeps_whole_vocabulary_next_to_truncating_rows():
     end of a long vocabulary must not cut the tail."""
     V = 32000
     logits = random_logits(4, 2, V, scale=4.0)
-    out = np.asarray(truncate_jit(jnp.asarray(logits), make_inputs(2, top_p=[1.0, 0.9])))
-    assert np.all(np.isfinite(out[0])), f"{np.sum(~np.isfinite(out[0]))} tokens cut from a top_p=1 row"
+    out = np.asarray(kept_mask(jnp.asarray(logits), make_inputs(2, top_p=[1.0, 0.9])))
+    assert np.all(out[0]), f"{np.sum(~out[0])} tokens cut from a top_p=1 row"
+    assert 1 < np.sum(out[1]) < V
+
+
+def sort_oracle_kept(x, top_k, top_p, min_p, tol=0.0):
+    """The kept set of one row by the sort sampling used before (float64): sort descending,
+    count the prefix each rule keeps, keep every token at or above the shortest prefix's last
+    logit. `tol` moves the top-p and min-p thresholds by that much (negative: stricter), to
+    bound what float32 rounding may rightly decide either way."""
+    V = len(x)
+    order = np.argsort(-x.astype(np.float64), kind="stable")
+    sorted_x = x[order].astype(np.float64)
+    probs = np.exp(sorted_x - sorted_x[0])
+    probs /= probs.sum()
+    keep = V
+    if 0 < top_k < V:
+        keep = min(keep, top_k)
+    if top_p < 1:
+        mass_before = np.cumsum(probs) - probs
+        keep = min(keep, int(np.sum(mass_before < top_p + tol)))
+    if min_p > 0:
+        keep = min(keep, int(np.sum(probs / probs[0] >= min_p * (1 - tol))))
+    keep = max(keep, 1)
+    return x >= x[order[keep - 1]]
+
+
+# Rows of (vocabulary, logit scale, rules): small and large kept sets, inside the 256 candidates
+# and beyond them (the exact bisection), each rule alone and combined.
+ORACLE_ROWS = [
+    (dict(top_k=40), 3.0), (dict(top_k=256), 3.0), (dict(top_k=257), 3.0), (dict(top_k=1500), 3.0),
+    (dict(top_p=0.9), 3.0), (dict(top_p=0.5), 6.0), (dict(top_p=0.95), 0.5), (dict(top_p=0.999), 1.0),
+    (dict(min_p=0.05), 3.0), (dict(min_p=0.5), 0.3), (dict(top_k=1000, top_p=0.97), 0.2),
+    (dict(top_k=30, top_p=0.8, min_p=0.01), 2.0), (dict(top_k=300, top_p=0.999), 0.1),
+    (dict(top_p=0.3, min_p=0.2), 0.05),
+]
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152])
+def test_cutoffs_match_a_descending_sort(vocab):
+    """The kept sets equal the sort oracle's in every token whose decision is not within
+    float32 rounding of a threshold (tolerance 2e-5 of probability mass / of min_p); most
+    rows match it exactly."""
+    rng = np.random.default_rng(vocab)
+    S = len(ORACLE_ROWS)
+    logits = np.stack([(rng.standard_normal(vocab) * scale).astype(np.float32) for _, scale in ORACLE_ROWS])
+    columns = {name: [rule.get(name, default) for rule, _ in ORACLE_ROWS]
+               for name, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
+    kept = np.asarray(kept_mask(jnp.asarray(logits), make_inputs(S, **columns)))
+    exact = 0
+    for row, (rule, _) in enumerate(ORACLE_ROWS):
+        args = (logits[row], rule.get("top_k", 0), rule.get("top_p", 1.0), rule.get("min_p", 0.0))
+        surely_kept, maybe_kept = sort_oracle_kept(*args, tol=-2e-5), sort_oracle_kept(*args, tol=2e-5)
+        assert np.all(kept[row] >= surely_kept) and np.all(kept[row] <= maybe_kept), (rule, kept[row].sum())
+        exact += np.array_equal(kept[row], sort_oracle_kept(*args))
+    assert exact >= S - 2, f"only {exact} of {S} rows match the oracle exactly"
+    # The rows meant to leave the candidates did: the bisection was exercised.
+    assert max(kept[row].sum() for row in range(S)) > NUM_CANDIDATES
+
+
+def test_cutoffs_keep_every_tie_at_the_boundary():
+    """Tied logits at the cut-off are all kept (the sort's rule: everything at or above the
+    last kept logit), inside the candidates and beyond them."""
+    V = 2000
+    logits = np.full((2, V), -5.0, np.float32)
+    logits[:, :10] = 2.0
+    logits[:, 10:400] = 1.0  # 390 tied tokens straddling the 256 candidates
+    out = np.asarray(kept_mask(jnp.asarray(logits), make_inputs(2, top_k=[12, 300])))
+    np.testing.assert_array_equal(out.sum(-1), [400, 400])
+    assert not out[:, 400:].any()
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    logits = np.zeros((3, 50), np.float32)
+    logits[0, [7, 20]] = 1.0
+    logits[1, [0, 49]] = 3.0
+    logits[2] = -np.arange(50)
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy)(jnp.asarray(logits))), [7, 0, 0])
+    # And a sampled batch's greedy rows agree with it, ties included.
+    out = run(logits, make_inputs(3, temperature=[0.0, 1.0, 0.0], seeds=[1, 2, 3]))
+    np.testing.assert_array_equal(out.tokens[[0, 2]], [7, 0])
+
+
+def test_inverse_cdf_takes_only_positive_weights_at_the_ends_of_u():
+    """u = 0 picks the first positive weight, u just below 1 the last, whatever zeros surround
+    them (including whole zero blocks, and a vocabulary not a multiple of the block)."""
+    V = 1000
+    weights = np.zeros((4, V), np.float32)
+    weights[0, [3, 600]] = [1.0, 2.0]
+    weights[1, [0, V - 1]] = 1.0
+    weights[2, 999] = 1e-30
+    weights[3, 511:513] = 5.0
+    draw = jax.jit(inverse_cdf)
+    np.testing.assert_array_equal(np.asarray(draw(weights, np.zeros(4, np.float32))), [3, 0, 999, 511])
+    top = np.full(4, np.nextafter(np.float32(1), np.float32(0)), np.float32)
+    np.testing.assert_array_equal(np.asarray(draw(weights, top)), [600, V - 1, 999, 512])
+
+
+def test_inverse_cdf_frequencies_follow_the_weights():
+    """20000 evenly spaced u over one row: each token's share equals its weight share to within
+    the spacing (the draw is the exact inverse of the cumulative weights)."""
+    rng = np.random.default_rng(3)
+    V, N = 700, 20000
+    weights = (rng.random(V) ** 4).astype(np.float32)
+    weights[rng.random(V) < 0.3] = 0
+    u = ((np.arange(N) + 0.5) / N).astype(np.float32)
+    tokens = np.asarray(jax.jit(inverse_cdf)(np.tile(weights, (N, 1)), u))
+    freq = np.bincount(tokens, minlength=V) / N
+    assert np.all(freq[weights == 0] == 0)
+    np.testing.assert_allclose(freq, weights / weights.sum(), atol=1.5 / N)
+
+
+def test_large_nucleus_draws_follow_the_sort_distribution():
+    """A flat row whose nucleus is far beyond the candidates (the bisection path): the draws
+    stay inside the oracle's kept set and match its renormalised softmax (chi-square over 8
+    bins of equal expected count; N = 8000, df 7, bound 30: p < 1e-4 under the null)."""
+    V, N = 3000, 8000
+    base = (np.random.default_rng(11).standard_normal(V) * 0.4).astype(np.float32)
+    expected = sort_oracle_kept(base, 0, 0.9, 0.0)
+    assert np.array_equal(expected, sort_oracle_kept(base, 0, 0.9, 0.0, tol=1e-4))  # no token near the edge
+    assert expected.sum() > NUM_CANDIDATES
+    inputs = make_inputs(N, temperature=1.0, top_p=0.9, seeds=np.arange(N) // 100 + 7, sample_index=np.arange(N) % 100)
+    tokens = run(np.tile(base, (N, 1)), inputs, max_logprobs=1).tokens
+    assert np.all(expected[tokens])
+    probs = np.where(expected, np.exp(base.astype(np.float64) - base.max()), 0)
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    bins = np.minimum((np.cumsum(probs[order]) * 8).astype(int), 7)  # bin of each token by rank
+    token_bin = np.empty(V, int)
+    token_bin[order] = bins
+    expected_counts = np.bincount(token_bin, weights=probs, minlength=8) * N
+    counts = np.bincount(token_bin[tokens], minlength=8)
+    chi2 = np.sum((counts - expected_counts) ** 2 / expected_counts)
+    assert chi2 < 30, (chi2, counts, expected_counts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,3 +518,16 @@ def test_logprobs_are_of_the_raw_distribution():
     x = logits.astype(np.float64)
     lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
     np.testing.assert_allclose(out.logprobs, x[np.arange(S), out.tokens] - lse, rtol=1e-5, atol=1e-5)
+
+
+def test_no_logprob_work_without_a_row_asking():
+    """A step where no row wants log-probabilities returns zeros of the right shapes (the
+    log-softmax and top-k over [S, V] do not run); one asking row turns them on for the step."""
+    S, V = 4, 120
+    logits = random_logits(9, S, V)
+    out = run(logits, make_inputs(S, temperature=[0.0, 1.0, 0.0, 0.5], seeds=np.arange(S)))
+    assert out.logprobs.shape == (S,) and out.top_ids.shape == (S, MAX_LOGPROBS)
+    assert not out.logprobs.any() and not out.top_logprobs.any() and not out.top_ids.any()
+    out = run(logits, make_inputs(S, want_logprobs=[False, False, True, False]))
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_allclose(out.logprobs[2], raw[2, out.tokens[2]], rtol=1e-6)
