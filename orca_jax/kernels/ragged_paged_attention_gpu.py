@@ -107,11 +107,23 @@ def choose_block_rows(num_tokens: int, num_seq_slots: int, head_dim: int) -> int
     """Matrix rows per program, from static shapes. A step with no more tokens than sequence
     slots is mostly decodes, whose programs hold one token's `group` real rows: 16 rows (the
     smallest a Triton dot takes) wastes least. Prefill chunks want more rows, so that a prefix
-    is read once per 64 rows rather than per 16; at head_dim 256 the float32 accumulator of 64
-    rows would spill registers, so 32."""
+    is read once per 64 rows rather than per 16; at head_dim 256, 32 rows keep a program's
+    tiles within shared memory and (with 8 warps, `choose_num_warps`) its registers."""
     if num_tokens <= num_seq_slots:
         return 16
     return 32 if head_dim >= 256 else 64
+
+
+def choose_num_warps(block_rows: int, kv_block_tokens: int, head_dim: int) -> int:
+    """Warps per program, from its tile sizes. A program holds its float32 accumulator
+    (block_rows x head_dim) and the operands of its two products, about
+    (block_rows + kv_block_tokens) * head_dim values, spread over 32 threads per warp. Past
+    12288 of them 4 warps run out of registers and spill to local memory: compiled by
+    triton 3.9 for sm_80 and sm_90 (orca_jax/kernels/triton_compile.py), bfloat16 at 64 rows of
+    head_dim 128 takes 255 registers and spills 28 bytes on sm_80 with 4 warps, 175 and none
+    with 8, and head_dim 256 spills with 4 warps at 16 and 32 rows. 8 warps share the tiles;
+    smaller tiles keep 4, which leaves more programs per multiprocessor."""
+    return 8 if (block_rows + kv_block_tokens) * head_dim > 12288 else 4
 
 
 def estimate_busy_blocks(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
@@ -253,13 +265,14 @@ def ragged_paged_attention(
     block_rows: int | str = "auto",
     kv_block_tokens: int = 64,
     num_kv_splits: int | str = "auto",
-    num_warps: int = 4,
+    num_warps: int | str = "auto",
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
-    one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step; `interpret=True` runs the
-    same kernel on any backend (tests on CPU)."""
+    one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step;
+    `num_warps` ("auto": `choose_num_warps`); `interpret=True` runs the same kernel on any
+    backend (tests on CPU)."""
     check_inputs(q, kv_pages, metadata)
     kv_lens, page_table, cu_q_lens, num_seqs = (
         metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
@@ -271,6 +284,8 @@ def ragged_paged_attention(
     if block_rows == "auto":
         block_rows = choose_block_rows(T, S, head_dim)
     block_q = max(1, block_rows // group)
+    if num_warps == "auto":
+        num_warps = choose_num_warps(block_q * group, kv_block_tokens, head_dim)
     pages_per_block = max(1, kv_block_tokens // page_size)
     num_q_blocks = -(-T // block_q) + S  # every sequence may leave one partial block
     max_kv_blocks = -(-max_pages // pages_per_block)
