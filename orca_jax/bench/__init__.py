@@ -8,6 +8,8 @@ README says why the two trees are apart.)
     orca.py         `bench orca`: both scheduling policies over a sweep of arrival rates
     offline.py      `bench offline`: everything at t=0, against transformers' peers
     peers.py        transformers' static-batch `generate` and continuous batching (needs torch)
+    vllm_peer.py    vLLM's CPU build as a peer, in its own Python environment, through a subprocess
+    vllm_child.py   the script that subprocess runs (imports only vLLM and the standard library)
     roofline.py     measured matmul rate and the workload's FLOPs: how far from the machine's limit
     serve_client.py `bench serve`: the same trace over HTTP against any OpenAI-compatible server
     cost_model.py   step time of a large model on a multi-GPU machine, from FLOPs and bytes

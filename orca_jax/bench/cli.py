@@ -33,6 +33,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _omp_bind(text: str) -> str:
+    from orca_jax.bench.vllm_peer import valid_omp_bind
+
+    try:
+        return valid_omp_bind(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -116,7 +125,8 @@ def cmd_offline(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
         page_size=args.page_size, peers=() if args.skip_peers else args.peers, seed=args.seed,
         torch_threads=args.torch_threads, torch_device=args.torch_device, matmul_size=args.matmul_size,
-        matmul_repeats=args.matmul_repeats, async_scheduling=args.async_scheduling)
+        matmul_repeats=args.matmul_repeats, async_scheduling=args.async_scheduling, vllm_python=args.vllm_python,
+        vllm_omp_bind=args.vllm_omp_bind, vllm_timeout_s=args.vllm_timeout)
     record = run_offline(settings, command_from_args("offline", args))
     print(format_report(record))
     write_json(record, args.json)
@@ -140,7 +150,19 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=True, action=argparse.BooleanOptionalAction,
                    help="orca_jax overlaps the host's work with the device's (default: on)")
     p.add_argument("--peers", type=_names, default=("static", "continuous"),
-                   help="comma-separated transformers peers: static (generate), continuous (default both)")
+                   help="comma-separated peers, run in this order after orca_jax: static (transformers' generate), "
+                        "continuous (transformers' continuous batching), vllm (vLLM's CPU build, its default "
+                        "OpenMP threads), vllm_bind (vLLM with its OpenMP threads bound to --vllm-omp-bind) "
+                        "(default static,continuous)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the Python of vLLM's own environment (default: $ORCA_JAX_VLLM_PYTHON, else this Python "
+                        "if it imports vllm, else the environment of a `vllm` command on PATH; none found: "
+                        "the vllm peers are skipped)")
+    p.add_argument("--vllm-omp-bind", type=_omp_bind, default=None, metavar="CPUS",
+                   help="VLLM_CPU_OMP_THREADS_BIND of the vllm_bind peer, e.g. 0-1 (default: every core "
+                        "this process may run on)")
+    p.add_argument("--vllm-timeout", type=_positive_float, default=1800.0,
+                   help="seconds per vLLM peer: engine start, warm-up and run (default 1800)")
     p.add_argument("--skip-peers", action="store_true", help="run orca_jax only (no torch needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the requests")
     p.add_argument("--torch-threads", type=_positive_int, default=os.cpu_count() or 1,
@@ -152,7 +174,8 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_offline_parser(sub) -> None:
-    p = sub.add_parser("offline", help="all requests at t=0: orca_jax vs transformers' static and continuous batching")
+    p = sub.add_parser("offline", help="all requests at t=0: orca_jax vs transformers' static and continuous "
+                                       "batching (and vLLM's CPU build, --peers vllm)")
     add_offline_arguments(p)
     p.set_defaults(func=cmd_offline)
 

@@ -1,7 +1,11 @@
 """`orca-jax bench offline`: every request at t=0, orca_jax against transformers' static-batch
-`generate` and its continuous batching (peers.py), in one process, on the same weights and the
-same requests (Orca's length distributions, scaled; random prompt token ids; EOS ignored;
-greedy).
+`generate` and its continuous batching (peers.py), in one process, and, when asked for, vLLM's
+CPU build in its own environment (vllm_peer.py), on the same weights and the same requests
+(Orca's length distributions, scaled; random prompt token ids; EOS ignored; greedy). The
+systems run one after another: orca_jax, then the peers in the order named.
+
+A vLLM peer that is not installed is skipped with a message saying how to install it; the
+skip is recorded in the result (`skipped_peers`).
 
 Model construction and warm-up are outside the timed part and reported on their own. The CPU
 roofline (roofline.py) comes from a measured matmul rate and the FLOPs of the useful tokens.
@@ -15,9 +19,10 @@ import logging
 import time
 from typing import Any
 
-from orca_jax.bench import environment, roofline
+from orca_jax.bench import environment, roofline, vllm_peer
 from orca_jax.bench.driver import BenchmarkError, greedy_no_eos
-from orca_jax.bench.peers import PEERS, SYSTEM_NAMES, load_hf_model, resolve_device, run_hf_continuous, run_hf_static, system_result
+from orca_jax.bench.peers import (DEFAULT_PEERS, HF_PEERS, PEERS, SYSTEM_NAMES, VLLM_PEERS, load_hf_model,
+                                  resolve_device, run_hf_continuous, run_hf_static, system_result)
 from orca_jax.bench.trace import Trace, make_trace
 
 logger = logging.getLogger(__name__)
@@ -33,17 +38,35 @@ class OfflineSettings:
     dtype: str = "float32"  # orca_jax's; the transformers peers always run float32
     max_model_len: int | None = None
     page_size: int = 16
-    peers: tuple[str, ...] = PEERS
+    peers: tuple[str, ...] = DEFAULT_PEERS  # PEERS names them all; the vLLM ones run in vLLM's own Python
     seed: int = 0
     torch_threads: int | None = None  # None: torch's default
     torch_device: str = "auto"  # cuda when available
     matmul_size: int = 2048
     matmul_repeats: int = 5
     async_scheduling: bool = True  # orca_jax's overlapped steps (False: one step at a time)
+    vllm_python: str | None = None  # None: $ORCA_JAX_VLLM_PYTHON, then found (vllm_peer.find_vllm_python)
+    vllm_omp_bind: str | None = None  # the vllm_bind peer's cores; None: all this process may use
+    vllm_timeout_s: float = 1800.0  # per vLLM peer: engine start, warm-up and the run
 
     def __post_init__(self):
         if unknown := [p for p in self.peers if p not in PEERS]:
             raise ValueError(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
+        if self.vllm_omp_bind is not None:
+            vllm_peer.valid_omp_bind(self.vllm_omp_bind)
+
+    @property
+    def hf_peers(self) -> list[str]:
+        return [p for p in self.peers if p in HF_PEERS]
+
+    @property
+    def vllm_peers(self) -> list[str]:
+        return [p for p in self.peers if p in VLLM_PEERS]
+
+    def vllm_settings(self, kv_cache_bytes: int) -> vllm_peer.VllmSettings:
+        return vllm_peer.VllmSettings(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=self.max_model_len, seed=self.seed, kv_cache_bytes=kv_cache_bytes,
+                                      omp_bind=self.vllm_omp_bind, timeout_s=self.vllm_timeout_s)
 
 
 def start_orca(s: OfflineSettings) -> dict[str, Any]:
@@ -102,7 +125,7 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
 
 
 def run_peers(s: OfflineSettings, trace: Trace) -> tuple[list[dict], dict]:
-    """Each transformers peer on the trace; (results, {load seconds, weight bytes, device})."""
+    """Each transformers peer asked for on the trace; (results, {load seconds, weight bytes, device})."""
     device = resolve_device(s.torch_device)
     hf, load_s, weight_bytes = load_hf_model(s.model, device)
     results = []
@@ -123,11 +146,25 @@ def add_ratios(systems: list[dict[str, Any]], roof: dict[str, float]) -> None:
         s["roofline_share"] = s["useful_output_tokens_per_s"] / roof["useful_output_tokens_per_s"]
 
 
+def find_vllm(s: OfflineSettings) -> tuple[vllm_peer.VllmPython | None, list[dict[str, str]]]:
+    """(vLLM's interpreter, skipped peers): found before the long orca_jax run, so that a wrong
+    --vllm-python fails at once and a missing vLLM is said at once."""
+    if not s.vllm_peers:
+        return None, []
+    try:
+        return vllm_peer.find_vllm_python(s.vllm_python), []
+    except vllm_peer.VllmNotFound as exc:
+        logger.warning("skipping the peer(s) %s: %s", ", ".join(s.vllm_peers), exc)
+        return None, vllm_peer.skip_records(s.vllm_peers, str(exc))
+
+
 def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
     """Run every system on one trace and return all numbers (the JSON record)."""
     started = environment.now_utc()
+    vllm_python, skipped_peers = find_vllm(s)
     torch_threads = None
-    if s.peers:
+    # torch: for the transformers peers, and to convert a GGUF file into the directory vLLM reads.
+    if s.hf_peers or (vllm_python is not None and vllm_peer.needs_conversion(s.model)):
         from orca_jax.bench.peers import import_torch
 
         torch = import_torch()  # fail before the long orca_jax run, not after it
@@ -152,11 +189,17 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
     gc.collect()
 
     systems = [orca]
-    if s.peers:
+    if s.hf_peers:
         peer_results, peer_info = run_peers(s, trace)
         systems += peer_results
         startup["hf_load_s"] = peer_info.pop("hf_load_s")
         memory["hf_weight_bytes"] = peer_info.pop("hf_weight_bytes")
+        startup.update(peer_info)
+    if vllm_python is not None:
+        # The same KV memory as orca_jax's pool.
+        peer_results, peer_info = vllm_peer.run_vllm_peers(vllm_python, s.model, trace, s.vllm_peers,
+                                                           s.vllm_settings(orca["kv_cache_bytes"]))
+        systems += peer_results
         startup.update(peer_info)
     memory["peak_rss_bytes"] = environment.peak_rss_bytes()
 
@@ -172,6 +215,7 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
         "trace": {**trace.describe(), "input_lens": trace.input_lens, "output_lens": trace.output_lens},
         "model_config": dataclasses.asdict(model_config), "params": param_counts, "matmul": matmul,
         "flops": flops, "roofline": roof, "memory": memory, "startup": startup, "systems": systems,
+        "skipped_peers": skipped_peers,
     }
 
 
@@ -220,7 +264,9 @@ def format_report(result: dict[str, Any]) -> str:
         f"startup (outside the timed runs): orca_jax engine build (load + XLA warm-up of buckets {orca['token_buckets']}) "
         f"{startup['orca_engine_s']:.1f} s, first generate {orca['warmup_generate_s']:.2f} s"
         + "".join(f"; {s['system']} warm-up {s['warmup_generate_s']:.2f} s" for s in result["systems"][1:])
-        + (f"; transformers load {startup['hf_load_s']:.1f} s" if "hf_load_s" in startup else ""),
+        + (f"; transformers load {startup['hf_load_s']:.1f} s" if "hf_load_s" in startup else "")
+        + "".join(f"; {s['system']} engine start {s['load_s']:.1f} s" for s in result["systems"] if "vllm_version" in s)
+        + (f"; GGUF -> HF directory for vLLM {startup['vllm_convert_s']:.1f} s" if startup.get("vllm_convert_s") else ""),
         f"orca_jax: {orca['engine_steps']} engine steps, {orca['xla_compiles_during_run']} XLA compiles during the timed run",
         f"roofline: matmul {mm['size']}x{mm['size']} "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in mm["flop_per_s"].items())
@@ -230,4 +276,15 @@ def format_report(result: dict[str, Any]) -> str:
         f"({orca['num_kv_pages']} pages x {orca['page_size']} tokens); peak RSS after orca_jax "
         f"{_gib(mem['peak_rss_after_orca_bytes'])}, process peak {_gib(mem['peak_rss_bytes'])}",
     ]
+    lines += _vllm_lines(result)
     return "\n".join(lines)
+
+
+def _vllm_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"{s['system']}: vLLM {s['vllm_version']} float32 ({s['vllm_python']}), OpenMP threads bind "
+             f"{s['omp_threads_bind']}, block size {s['engine_settings']['block_size']}"
+             for s in result["systems"] if "vllm_version" in s]
+    skipped = result.get("skipped_peers", [])
+    if skipped:
+        lines.append(f"skipped {', '.join(k['system'] for k in skipped)}: {skipped[0]['reason']}")
+    return lines

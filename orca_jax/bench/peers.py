@@ -7,6 +7,8 @@ requests as orca_jax:
 * hf_continuous  transformers' continuous batching manager (`init_continuous_batching`), each
                  request added with its own `max_new_tokens` and EOS disabled.
 
+vLLM's CPU build is the third peer (vllm_peer.py), run in its own environment.
+
 torch is needed only here; without it the peers fail with one clear message. On a machine with
 CUDA the peers run there (`device="auto"`), with the same code.
 """
@@ -20,8 +22,12 @@ from typing import Any
 from orca_jax.bench.driver import BenchmarkError
 from orca_jax.bench.trace import Trace
 
-SYSTEM_NAMES = {"orca": "orca_jax", "static": "hf_static", "continuous": "hf_continuous"}
-PEERS = ("static", "continuous")
+SYSTEM_NAMES = {"orca": "orca_jax", "static": "hf_static", "continuous": "hf_continuous",
+                "vllm": "vllm_cpu", "vllm_bind": "vllm_cpu_bind"}
+HF_PEERS = ("static", "continuous")
+VLLM_PEERS = ("vllm", "vllm_bind")  # vLLM's CPU build in its own environment (vllm_peer.py)
+PEERS = HF_PEERS + VLLM_PEERS
+DEFAULT_PEERS = HF_PEERS  # vLLM is asked for by name: it needs an environment of its own
 
 
 def import_torch():

@@ -13,8 +13,8 @@ from orca_jax.bench.offline import OfflineSettings, format_report, run_offline
 
 
 def test_unknown_peer_is_an_error():
-    with pytest.raises(ValueError, match="vllm"):
-        OfflineSettings(peers=("static", "vllm"))
+    with pytest.raises(ValueError, match="sglang"):
+        OfflineSettings(peers=("static", "sglang"))
 
 
 def test_offline_on_tiny_model(tiny_llama_dir, torch_single_thread):
