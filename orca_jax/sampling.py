@@ -7,8 +7,10 @@ asks for it, so one compiled program serves every mix:
     rows in the batch           work on the logits f32[S, V]
     all greedy                  a max and a first-index-of-max: two vectorised reductions
     any temperature > 0         one exp pass over [S, V] and a blocked inverse-CDF draw
-    any top-k / top-p / min-p   + per truncating row: a top-256 candidate search (an exact
-                                  bisection when the kept set is larger), never a sort
+    any min-p                   + a max
+    any top-k / top-p           + a top-256 candidate search, row by row or for the batch
+                                  (an exact bisection for a row whose kept set is larger);
+                                  never a sort
     any logprobs                + a log-softmax and a top-k of [S, V]
 
 Truncation keeps, in each row, every token whose logit is at or above a cut-off: the k-th
@@ -162,47 +164,84 @@ def truncates(inputs: SamplingInputs) -> jax.Array:
 
 
 def truncation_cutoffs(scaled: jax.Array, inputs: SamplingInputs, rows: jax.Array) -> jax.Array:
-    """f32[S]: the logit cut-off of each row's kept set (-inf keeps everything), computed only
-    for `rows` (bool[S]), one row at a time, so that one top-p request does not make the whole
-    batch pay."""
-    S = scaled.shape[0]
-    order = jnp.nonzero(rows, size=S, fill_value=0)[0]
+    """f32[S]: the logit cut-off of each of `rows` (bool[S]) kept set, -inf elsewhere (keeps
+    everything).
 
-    def one_row(i, cutoffs):
-        r = order[i]
-        cutoff = row_cutoff(scaled[r], inputs.top_k[r], inputs.top_p[r], inputs.min_p[r])
-        return cutoffs.at[r].set(cutoff)
+    min-p is a vectorised max. Top-k and top-p take the top-256 candidates: of the whole batch
+    at once when more than a quarter of its rows need them (one [S, V] top-k then costs less
+    than a loop), else of those rows one at a time, so that one top-p request does not make the
+    whole batch pay. The few rows whose kept set the candidates cannot decide take an exact
+    bisection, one at a time."""
+    S, V = scaled.shape
+    by_min_p = jnp.where(rows & (inputs.min_p > 0), scaled.max(axis=-1) + jnp.log(inputs.min_p), -jnp.inf)
+    ranked = rows & (_wants_top_k(inputs.top_k, V) | (inputs.top_p < 1))
+    num_ranked = jnp.sum(ranked)
 
-    return jax.lax.fori_loop(0, jnp.sum(rows), one_row, jnp.full((S,), -jnp.inf, jnp.float32))
+    def all_rows():
+        cutoffs, inexact = candidate_cutoffs(scaled, inputs.top_k, inputs.top_p)
+        return jnp.where(ranked, cutoffs, -jnp.inf), inexact & ranked
+
+    def row_by_row():
+        order = jnp.nonzero(ranked, size=S, fill_value=0)[0]
+
+        def one_row(i, carry):
+            r = order[i]
+            cutoff, inexact = candidate_cutoffs(scaled[r][None], inputs.top_k[r][None], inputs.top_p[r][None])
+            return carry[0].at[r].set(cutoff[0]), carry[1].at[r].set(inexact[0])
+
+        init = (jnp.full((S,), -jnp.inf, jnp.float32), jnp.zeros((S,), bool))
+        return jax.lax.fori_loop(0, num_ranked, one_row, init)
+
+    by_rank, inexact = jax.lax.cond(num_ranked * 4 > S, all_rows, row_by_row)
+    exact_order = jnp.nonzero(inexact, size=S, fill_value=0)[0]
+
+    def exact_row(i, cutoffs):
+        r = exact_order[i]
+        return cutoffs.at[r].set(exact_cutoff(scaled[r], inputs.top_k[r], inputs.top_p[r]))
+
+    by_rank = jax.lax.fori_loop(0, jnp.sum(inexact), exact_row, by_rank)
+    return jnp.maximum(by_rank, by_min_p)
 
 
-def row_cutoff(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """The cut-off of one row x f32[V]: the highest of its top-k, top-p and min-p cut-offs.
+def _wants_top_k(top_k: jax.Array, vocab_size: int) -> jax.Array:
+    return (top_k > 0) & (top_k < vocab_size)
 
-    The top-k candidates decide top-k and top-p exactly when the kept set lies inside them; an
-    exact bisection over the row's logits runs only when it does not."""
-    V = x.shape[0]
+
+def candidate_cutoffs(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows x f32[n, V] -> (the highest of each row's top-k and top-p cut-offs, whether the
+    row's kept set reaches past the top-256 candidates, which then cannot decide it)."""
+    V = x.shape[-1]
     k = min(NUM_CANDIDATES, V)
-    row_max = x.max()
-    log_total = row_max + jnp.log(jnp.sum(jnp.exp(x - row_max)))
-    candidates = jax.lax.top_k(x, k)[0]  # descending
+    candidates = jax.lax.top_k(x, k)[0]  # [n, k], descending
+    log_total = _log_total(x)
 
-    wants_k = (top_k > 0) & (top_k < V)
+    wants_k = _wants_top_k(top_k, V)
     k_fits = top_k <= k
-    by_k = jnp.where(k_fits, candidates[jnp.clip(top_k - 1, 0, k - 1)], row_max)
+    by_k = jnp.take_along_axis(candidates, jnp.clip(top_k - 1, 0, k - 1)[:, None], axis=-1)[:, 0]
 
-    probs = jnp.exp(candidates - log_total)
-    mass_before = jnp.cumsum(probs) - probs
-    keep_p = jnp.sum(mass_before < top_p)  # a prefix of the candidates: mass_before rises
+    probs = jnp.exp(candidates - log_total[:, None])
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_p = jnp.sum(mass_before < top_p[:, None], axis=-1)  # a prefix: mass_before rises
     wants_p = top_p < 1
     p_fits = keep_p < k
-    by_p = candidates[jnp.clip(keep_p - 1, 0, k - 1)]
+    by_p = jnp.take_along_axis(candidates, jnp.clip(keep_p - 1, 0, k - 1)[:, None], axis=-1)[:, 0]
 
-    by_k = jax.lax.cond(wants_k & ~k_fits, lambda: kth_largest(x, top_k), lambda: by_k)
-    by_p = jax.lax.cond(wants_p & ~p_fits, lambda: nucleus_cutoff(x, log_total, top_p), lambda: by_p)
-    by_min_p = jnp.where(min_p > 0, row_max + jnp.log(min_p), -jnp.inf)
-    return jnp.maximum(jnp.maximum(jnp.where(wants_k, by_k, -jnp.inf), jnp.where(wants_p, by_p, -jnp.inf)),
-                       by_min_p)
+    cutoff = jnp.maximum(jnp.where(wants_k, by_k, -jnp.inf), jnp.where(wants_p, by_p, -jnp.inf))
+    return cutoff, (wants_k & ~k_fits) | (wants_p & ~p_fits)
+
+
+def _log_total(x: jax.Array) -> jax.Array:
+    """log sum exp over the last axis."""
+    row_max = x.max(axis=-1)
+    return row_max + jnp.log(jnp.sum(jnp.exp(x - row_max[..., None]), axis=-1))
+
+
+def exact_cutoff(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The highest of one row's (x f32[V]) top-k and top-p cut-offs, by bisection over its logits."""
+    V = x.shape[0]
+    by_k = jax.lax.cond(_wants_top_k(top_k, V), lambda: kth_largest(x, top_k), lambda: jnp.float32(-jnp.inf))
+    by_p = jax.lax.cond(top_p < 1, lambda: nucleus_cutoff(x, _log_total(x), top_p), lambda: jnp.float32(-jnp.inf))
+    return jnp.maximum(by_k, by_p)
 
 
 # Bisection over float32 values in order: a float's bits, flipped for negatives, sort as int32.
