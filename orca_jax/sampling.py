@@ -11,7 +11,7 @@ asks for it, so one compiled program serves every mix:
     any top-k / top-p           + a top-256 candidate search, row by row or for the batch
                                   (an exact bisection for a row whose kept set is larger);
                                   never a sort
-    any logprobs                + a log-softmax and a top-k of [S, V]
+    any logprobs                + a log-softmax and a top-k, of the asking rows
 
 Truncation keeps, in each row, every token whose logit is at or above a cut-off: the k-th
 largest logit (top-k), the smallest logit whose strictly-greater mass is below top_p (top-p),
@@ -47,8 +47,8 @@ DRAW_BLOCK = 256
 @dataclass(frozen=True)
 class SampleOutput:
     tokens: jax.Array  # i32[S]
-    # f32[S]: log-probability of the sampled token (raw model distribution); zeros in a step
-    # where no row asked for log-probabilities.
+    # f32[S]: log-probability of the sampled token (raw model distribution); zeros in the rows
+    # that did not ask for log-probabilities (as top_ids / top_logprobs).
     logprobs: jax.Array
     top_ids: jax.Array  # i32[S, K]
     top_logprobs: jax.Array  # f32[S, K]
@@ -85,7 +85,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts:
     k = max(1, max_logprobs)
     token_logprobs, top_logprobs, top_ids = jax.lax.cond(
         jnp.any(inputs.want_logprobs), functools.partial(_logprobs, k=k), functools.partial(_no_logprobs, k=k),
-        raw_logits, tokens)
+        raw_logits, tokens, inputs.want_logprobs)
     return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)
 
 
@@ -287,13 +287,34 @@ def nucleus_cutoff(x: jax.Array, log_total: jax.Array, top_p: jax.Array) -> jax.
     return jnp.min(jnp.where(keys >= key, x, jnp.inf))
 
 
-def _logprobs(raw_logits: jax.Array, tokens: jax.Array, k: int):
-    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
-    return token_logprobs, top_logprobs, top_ids.astype(jnp.int32)
+def _logprobs(raw_logits: jax.Array, tokens: jax.Array, want: jax.Array, k: int):
+    """The sampled token's log-probability and the top-k of the raw distribution, for the rows
+    that want them (zeros elsewhere): of the whole batch at once when over a quarter of its
+    rows want them, else row by row."""
+    S = raw_logits.shape[0]
+
+    def rows_logprobs(logits, rows_tokens):
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        return jnp.take_along_axis(logprobs, rows_tokens[:, None], axis=-1)[:, 0], top_logprobs, top_ids.astype(jnp.int32)
+
+    def all_rows():
+        out = rows_logprobs(raw_logits, tokens)
+        return tuple(jnp.where(want.reshape((S,) + (1,) * (o.ndim - 1)), o, 0) for o in out)
+
+    def row_by_row():
+        order = jnp.nonzero(want, size=S, fill_value=0)[0]
+
+        def one_row(i, outs):
+            r = order[i]
+            row = rows_logprobs(raw_logits[r][None], tokens[r][None])
+            return tuple(o.at[r].set(v[0]) for o, v in zip(outs, row))
+
+        return jax.lax.fori_loop(0, jnp.sum(want), one_row, _no_logprobs(raw_logits, tokens, want, k))
+
+    return jax.lax.cond(jnp.sum(want) * 4 > S, all_rows, row_by_row)
 
 
-def _no_logprobs(raw_logits: jax.Array, tokens: jax.Array, k: int):
+def _no_logprobs(raw_logits: jax.Array, tokens: jax.Array, want: jax.Array, k: int):
     S = raw_logits.shape[0]
     return jnp.zeros((S,), jnp.float32), jnp.zeros((S, k), jnp.float32), jnp.zeros((S, k), jnp.int32)

@@ -496,38 +496,41 @@ def test_empirical_distribution_matches_softmax(temperature, rule, kept):
 # Log-probabilities
 # --------------------------------------------------------------------------------------------
 
-def test_logprobs_are_of_the_raw_distribution():
+@pytest.mark.parametrize("want", [[True, False, True, True, False, True], [False, False, False, True, False, False]],
+                         ids=["most-rows-batched", "one-row-looped"])
+def test_logprobs_are_of_the_raw_distribution(want):
+    """The asking rows get the raw distribution's log-probabilities (whether the batch computes
+    them for all rows at once or row by row); the others get zeros."""
     S, V = 6, 80
     logits = random_logits(8, S, V)
     counts = make_counts(V, [[]] * S, [[1, 2, 3]] * S)  # penalties change the sampled set only
     inputs = make_inputs(S, temperature=[0.0, 0.8, 1.5, 0.0, 1.0, 0.3], top_k=[0, 10, 0, 0, 3, 0],
                          repetition_penalty=[1.0, 1.4, 1.0, 1.2, 1.0, 1.0], frequency_penalty=0.5,
-                         seeds=np.arange(S) + 9, sample_index=4,
-                         want_logprobs=[True, False, True, True, False, True])
+                         seeds=np.arange(S) + 9, sample_index=4, want_logprobs=want)
     out = run(logits, inputs, counts=counts)
-    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
-    np.testing.assert_allclose(out.logprobs, raw[np.arange(S), out.tokens], rtol=1e-6, atol=1e-6)
+    want = np.asarray(want)
     assert out.top_logprobs.shape == (S, MAX_LOGPROBS) and out.top_ids.shape == (S, MAX_LOGPROBS)
     assert out.top_ids.dtype == np.int32
-    assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0), "top log-probabilities not sorted"
-    ref_vals, ref_ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(logits), axis=-1), MAX_LOGPROBS)
-    np.testing.assert_array_equal(out.top_ids, np.asarray(ref_ids))
-    np.testing.assert_allclose(out.top_logprobs, np.asarray(ref_vals), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(raw, out.top_ids, -1), rtol=1e-6, atol=1e-6)
+    assert not out.logprobs[~want].any() and not out.top_logprobs[~want].any() and not out.top_ids[~want].any()
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[want]
+    tokens, top_ids, top_logprobs = out.tokens[want], out.top_ids[want], out.top_logprobs[want]
+    rows = np.arange(len(tokens))
+    np.testing.assert_allclose(out.logprobs[want], raw[rows, tokens], rtol=1e-6, atol=1e-6)
+    assert np.all(np.diff(top_logprobs, axis=-1) <= 0), "top log-probabilities not sorted"
+    ref_vals, ref_ids = jax.lax.top_k(jnp.asarray(raw), MAX_LOGPROBS)
+    np.testing.assert_array_equal(top_ids, np.asarray(ref_ids))
+    np.testing.assert_allclose(top_logprobs, np.asarray(ref_vals), rtol=1e-6, atol=1e-6)
     # Float64 cross-check of the log-softmax itself.
-    x = logits.astype(np.float64)
+    x = logits.astype(np.float64)[want]
     lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
-    np.testing.assert_allclose(out.logprobs, x[np.arange(S), out.tokens] - lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.logprobs[want], x[rows, tokens] - lse, rtol=1e-5, atol=1e-5)
 
 
 def test_no_logprob_work_without_a_row_asking():
     """A step where no row wants log-probabilities returns zeros of the right shapes (the
-    log-softmax and top-k over [S, V] do not run); one asking row turns them on for the step."""
+    log-softmax and top-k over [S, V] do not run)."""
     S, V = 4, 120
     logits = random_logits(9, S, V)
     out = run(logits, make_inputs(S, temperature=[0.0, 1.0, 0.0, 0.5], seeds=np.arange(S)))
     assert out.logprobs.shape == (S,) and out.top_ids.shape == (S, MAX_LOGPROBS)
     assert not out.logprobs.any() and not out.top_logprobs.any() and not out.top_ids.any()
-    out = run(logits, make_inputs(S, want_logprobs=[False, False, True, False]))
-    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
-    np.testing.assert_allclose(out.logprobs[2], raw[2, out.tokens[2]], rtol=1e-6)
