@@ -43,8 +43,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF directory, .gguf file, orca_jax checkpoint or hub id "
                              "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=DTYPES,
-                        help=f"weights and activations (default: {EngineConfig.dtype})")
+    parser.add_argument("--dtype", default=None, choices=("auto", *DTYPES),
+                        help="weights and activations; auto: the checkpoint's dtype on GPU/TPU, float32 on CPU "
+                             f"(default: {EngineConfig.dtype})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", *DTYPES),
                         help="KV cache dtype; auto: the model dtype, but float32 on CPU (default: auto)")
     parser.add_argument("--max-num-seqs", type=int, default=None,

@@ -92,7 +92,9 @@ class EngineConfig:
     """Serving settings. Names follow vLLM where vLLM has the knob."""
 
     model: str | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto": the checkpoint's dtype on GPUs and TPUs, float32 on CPU (orca_jax.dtype_policy);
+    # the engine resolves it before loading the model.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # "auto": the model dtype, except float32 on CPU, where XLA has no bfloat16 scatter/gather
     # and would convert the whole cache around every KV write and read.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -128,8 +130,8 @@ class EngineConfig:
 
     def __post_init__(self):
         errors = []
-        if self.dtype not in DTYPES:
-            errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            errors.append(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             errors.append(f"kv_cache_dtype must be 'auto' or one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -180,6 +182,7 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=pool_tokens)
 
     def resolved_kv_cache_dtype(self, backend: str) -> str:
+        assert self.dtype != "auto", "resolve dtype='auto' first (orca_jax.dtype_policy)"
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
         return "float32" if backend == "cpu" else self.dtype

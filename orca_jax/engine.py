@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,11 +34,12 @@ import numpy as np
 from orca_jax import multihost, parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
+from orca_jax.dtype_policy import resolve_model_dtype
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
-from orca_jax.models.loader import load_model
+from orca_jax.models.loader import load_model, resolve_model_path
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output
 from orca_jax.runner import ModelRunner
@@ -64,6 +66,15 @@ def release_free_host_memory() -> None:
         pass
 
 
+def _resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
+    """dtype="auto" made concrete for this backend and checkpoint, before the model loads in it."""
+    if config.dtype != "auto":
+        return config
+    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), resolve_model_path(config.model))
+    logger.info("dtype auto: %s on backend %s", dtype, jax.default_backend())
+    return dataclasses.replace(config, dtype=dtype)
+
+
 class LLMEngine:
     """`make_runner` is the seam between the host loop and the device: called as
     `make_runner(model_config, config, params, attention_impl, mesh, channel)`, it returns the
@@ -76,6 +87,7 @@ class LLMEngine:
         started = time.perf_counter()
         config = config or EngineConfig(**overrides)
         configure_for_process(config.compilation_cache_dir or None)
+        config = _resolve_auto_dtype(config)
         loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir)
         loaded_at = time.perf_counter()
         self.model_config = loaded.config
