@@ -4,7 +4,10 @@ soft_cap, <their own options>)`, where `metadata` is the step's `AttentionMetada
 `impl` picks one, and "auto" picks by backend:
 
     impl           runs on                    notes
-    "reference"    any backend                pure jnp; the CPU path and the test oracle
+    "reference"    any backend                pure jnp; the oracle the kernels are tested against
+    "cpu"          CPUs ("auto" there)        pure jnp laid out for XLA:CPU (vector gathers of
+                                              [K_h | V_h] rows, large decode blocks); runs on any
+                                              backend, but is built for XLA:CPU
     "pallas_gpu"   NVIDIA GPUs                Triton-lowered Pallas kernel; on other backends
                                               it runs in Pallas' interpreter (tests)
     "pallas_tpu"   TPUs                       jax's own ragged paged attention kernel
@@ -21,6 +24,7 @@ import logging
 
 import jax
 
+from orca_jax.kernels import ragged_paged_attention_cpu as cpu_kernel
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu_kernel
 from orca_jax.kernels import ragged_paged_attention_tpu as tpu_kernel
 from orca_jax.kernels import reference
@@ -32,7 +36,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv", "resolve_impl", "available_impls"]
 
 # The backend each kernel is built for; "auto" picks the kernel of the running backend.
-_KERNEL_FOR_BACKEND = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+_KERNEL_FOR_BACKEND = {"cpu": "cpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +52,7 @@ def _pallas_gpu(q, kv_pages, metadata, **kwargs):
 
 _IMPLS = {
     "reference": reference.ragged_paged_attention,
+    "cpu": cpu_kernel.ragged_paged_attention,
     "pallas_gpu": _pallas_gpu,
     "pallas_tpu": tpu_kernel.ragged_paged_attention,
 }

@@ -1,4 +1,5 @@
-"""Pure-jnp ragged paged attention: the CPU path and the oracle for the Pallas kernels.
+"""Pure-jnp ragged paged attention: the oracle for every other implementation (the CPU path
+is ragged_paged_attention_cpu, laid out for XLA:CPU).
 
 Every query token finds its sequence from `cu_q_lens`, then walks that sequence's pages in
 blocks with an online (flash-style) softmax, so memory stays O(T * block) whatever the context

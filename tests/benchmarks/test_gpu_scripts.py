@@ -4,9 +4,11 @@ nothing on a CPU), and their byte accounting is what their docstrings say."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -52,3 +54,27 @@ def test_kernel_bench_counts_kv_queries_and_outputs():
     assert len(set(owned)) == len(owned) and 0 not in owned
     itemsize = 2  # bfloat16
     assert moved == (40 + 21) * 2 * 2 * 16 * itemsize + 2 * 6 * 4 * 16 * itemsize
+
+
+def test_kernel_bench_cpu_layers_count_kv_bytes_and_own_their_pages():
+    kernel_bench = load("kernel_bench")
+    kernel_bench.CPU_HEADS, kernel_bench.CPU_POOL_BYTES = (4, 2, 16), 1 << 16
+    q, kv_pages, metadatas, kv_bytes = kernel_bench.make_cpu_layers([(1, 40), (5, 21)], np.float32)
+    assert q.shape == (6, 4, 16) and kv_pages.shape[1:] == (16, 4, 16)
+    assert kv_bytes == (40 + 21) * 2 * 2 * 16 * 4  # K and V of every visited token
+    pages = [p for m in metadatas for row, n in zip(np.asarray(m.page_table).tolist(), (3, 2)) for p in row[:n]]
+    assert len(metadatas) >= 2 and len(set(pages)) == len(pages) and 0 not in pages  # one pool, no page twice
+
+
+def test_kernel_bench_cpu_quick_run_writes_its_report(tmp_path, monkeypatch):
+    kernel_bench = load("kernel_bench")
+    monkeypatch.setattr(kernel_bench, "CPU_POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(kernel_bench, "cpu_read_bandwidth_gbs", lambda: 10.0)
+    monkeypatch.setattr(kernel_bench, "cpu_cases", lambda quick: iter([("decode b=2 ctx=2048", [(1, 70)] * 2),
+                                                                      ("prefill 40", [(40, 40)])]))
+    out = tmp_path / "cpu.json"
+    assert kernel_bench.main(["--cpu", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["case"] for r in report["cases"]] == ["decode b=2 ctx=2048", "prefill 40"]
+    assert all(r["cpu_ms"] > 0 and r["reference_ms"] > 0 for r in report["cases"])
+    assert report["targets"]["decode_ctx2048_min_share_of_read"] > 0
