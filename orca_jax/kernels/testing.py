@@ -148,6 +148,28 @@ CONFIGS = [
 ]
 
 
+def all_padding_metadata(num_tokens: int, num_seq_slots: int, page_size: int) -> AttentionMetadata:
+    """A warm-up batch's metadata: num_seqs = 0, every token padding (position 0, page 0)."""
+    return AttentionMetadata(
+        positions=np.zeros(num_tokens, np.int32),
+        slot_mapping=np.arange(num_tokens, dtype=np.int32) % page_size,
+        page_table=np.zeros((num_seq_slots, 2), np.int32), kv_lens=np.zeros(num_seq_slots, np.int32),
+        cu_q_lens=np.zeros(num_seq_slots + 1, np.int32), num_seqs=np.zeros(1, np.int32))
+
+
+def build_batch_padding_case() -> Case:
+    """Padding as build_batch writes it: rows past num_seqs have kv_len 0 and page 0 only,
+    cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
+    case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8, pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)
+    page_table = case.metadata.page_table
+    for s, n in enumerate([3, 2, 6]):
+        page_table[s, n:] = 0
+    page_table[3:] = 0
+    case.metadata.kv_lens[3:] = 0
+    return case
+
+
 def random_mix(rng: np.random.Generator, num_seqs: int, *, max_q_len: int = 48, max_context: int = 200,
                decode_share: float = 0.5) -> list[tuple[int, int]]:
     """A random ragged step: [(q_len, kv_len)], about `decode_share` of them decodes, the rest

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention_cpu as cpu
-from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case, random_mix
+from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_metadata, assert_matches_oracle,
+                                     build_batch_padding_case, make_case, random_mix)
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
 
@@ -101,13 +101,7 @@ def test_random_ragged_steps_match_oracle(seed):
 def test_padding_rows_as_build_batch_writes_them():
     """Padding as build_batch writes it: rows past num_seqs have kv_len 0 and page 0 only,
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
-    case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
-                     pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)
-    page_table = case.metadata.page_table
-    for s, n in enumerate([3, 2, 6]):
-        page_table[s, n:] = 0
-    page_table[3:] = 0
-    case.metadata.kv_lens[3:] = 0
+    case = build_batch_padding_case()
     run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])
 
 
@@ -116,11 +110,7 @@ def test_all_padding_batch_is_zero():
     T, S, heads, head_dim, page_size = 8, 4, 4, 64, 16
     q = np.random.default_rng(0).standard_normal((T, heads, head_dim)).astype(np.float32)
     kv_pages = np.full((3, page_size, 4, head_dim), np.nan, np.float32)
-    metadata = AttentionMetadata(
-        positions=np.zeros(T, np.int32), slot_mapping=np.arange(T, dtype=np.int32) % page_size,
-        page_table=np.zeros((S, 2), np.int32), kv_lens=np.zeros(S, np.int32),
-        cu_q_lens=np.zeros(S + 1, np.int32), num_seqs=np.zeros(1, np.int32))
-    out = cpu.ragged_paged_attention(q, kv_pages, metadata, sm_scale=0.125)
+    out = cpu.ragged_paged_attention(q, kv_pages, all_padding_metadata(T, S, page_size), sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 

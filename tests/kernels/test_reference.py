@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.kernels import AttentionMetadata, ragged_paged_attention, write_kv
-from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case
+from orca_jax.kernels import ragged_paged_attention, write_kv
+from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_metadata, assert_matches_oracle,
+                                     build_batch_padding_case, make_case)
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
 
@@ -36,15 +37,6 @@ def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     return assert_matches_oracle(out, case, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, tol=tol)
-
-
-def all_padding_metadata(num_tokens: int, num_seq_slots: int, page_size: int) -> AttentionMetadata:
-    """A warm-up batch's metadata: num_seqs = 0, every token padding (position 0, page 0)."""
-    return AttentionMetadata(
-        positions=np.zeros(num_tokens, np.int32),
-        slot_mapping=np.arange(num_tokens, dtype=np.int32) % page_size,
-        page_table=np.zeros((num_seq_slots, 2), np.int32), kv_lens=np.zeros(num_seq_slots, np.int32),
-        cu_q_lens=np.zeros(num_seq_slots + 1, np.int32), num_seqs=np.zeros(1, np.int32))
 
 
 @pytest.mark.parametrize("seed,ratio,num_kv_heads,head_dim,page_size,mix,window,cap",
@@ -92,13 +84,7 @@ def test_padding_rows_as_build_batch_writes_them():
     """Padding as build_batch writes it (tests/test_batch.py checks that the case builder lays
     out metadata as build_batch does): rows past num_seqs have kv_len 0, page 0 only, and
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
-    case = make_case(3, [(1, 20), (12, 12), (4, 44)], num_q_heads=4, num_kv_heads=2, head_dim=64,
-                     page_size=8, pad_seqs=5, pad_tokens=9, max_pages_per_seq=8)
-    pt = case.metadata.page_table
-    for s, n in enumerate([3, 2, 6]):
-        pt[s, n:] = 0
-    pt[3:] = 0
-    case.metadata.kv_lens[3:] = 0
+    case = build_batch_padding_case()
     run_and_compare(case, sm_scale=0.125, tol=TOLERANCES["float32"])
 
 
