@@ -121,7 +121,7 @@ def draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     row_max = scaled.max(axis=-1)
     truncating = is_random & truncates(inputs)  # a greedy row ignores its truncation rules
     cutoffs = jax.lax.cond(jnp.any(truncating), truncation_cutoffs,
-                           lambda x, *_: jnp.full(x.shape[:1], -jnp.inf), scaled, inputs, truncating)
+                           lambda x, *_: jnp.full(x.shape[:1], -jnp.inf), scaled, row_max, inputs, truncating)
     cutoffs = jnp.where(is_random, jnp.minimum(cutoffs, row_max), row_max)
     weights = jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
     u = jnp.where(is_random, jax.vmap(_uniform)(inputs.seeds, inputs.sample_index), 0.0)
@@ -163,9 +163,9 @@ def truncates(inputs: SamplingInputs) -> jax.Array:
     return (inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)
 
 
-def truncation_cutoffs(scaled: jax.Array, inputs: SamplingInputs, rows: jax.Array) -> jax.Array:
+def truncation_cutoffs(scaled: jax.Array, row_max: jax.Array, inputs: SamplingInputs, rows: jax.Array) -> jax.Array:
     """f32[S]: the logit cut-off of each of `rows` (bool[S]) kept set, -inf elsewhere (keeps
-    everything).
+    everything). `row_max` f32[S]: each row's largest logit, which the caller already has.
 
     min-p is a vectorised max. Top-k and top-p take the top-256 candidates: of the whole batch
     at once when more than a quarter of its rows need them (one [S, V] top-k then costs less
@@ -173,7 +173,7 @@ def truncation_cutoffs(scaled: jax.Array, inputs: SamplingInputs, rows: jax.Arra
     whole batch pay. The few rows whose kept set the candidates cannot decide take an exact
     bisection, one at a time."""
     S, V = scaled.shape
-    by_min_p = jnp.where(rows & (inputs.min_p > 0), scaled.max(axis=-1) + jnp.log(inputs.min_p), -jnp.inf)
+    by_min_p = jnp.where(rows & (inputs.min_p > 0), row_max + jnp.log(inputs.min_p), -jnp.inf)
     ranked = rows & (_wants_top_k(inputs.top_k, V) | (inputs.top_p < 1))
     num_ranked = jnp.sum(ranked)
 

@@ -25,7 +25,7 @@ penalties_jit = jax.jit(apply_penalties)
 @jax.jit
 def kept_mask(logits, inputs):
     """bool[S, V]: the tokens each truncating row keeps (every token for the others)."""
-    cutoffs = truncation_cutoffs(logits, inputs, truncates(inputs))
+    cutoffs = truncation_cutoffs(logits, logits.max(axis=-1), inputs, truncates(inputs))
     return logits >= cutoffs[:, None]
 
 
