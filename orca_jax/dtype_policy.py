@@ -40,12 +40,15 @@ def resolve_dtype(requested: str, backend: str, checkpoint: str | None) -> str:
     return "float32" if checkpoint == "float32" else "bfloat16"
 
 
-def resolve_model_dtype(requested: str, backend: str, model_path: Path) -> str:
-    """`resolve_dtype` for the model at `model_path`, which is read only when the answer
-    depends on it (not on CPU: parsing a GGUF file's tensor table takes seconds)."""
+def resolve_model_dtype(requested: str, backend: str, model: str | Path | None) -> str:
+    """`resolve_dtype` for `model` (as `load_model` takes it), whose files are found and read
+    only when the answer depends on them (not on CPU: parsing a GGUF file's tensor table takes
+    seconds)."""
     if requested != AUTO or backend == "cpu":
         return resolve_dtype(requested, backend, None)
-    return resolve_dtype(requested, backend, checkpoint_dtype(model_path))
+    from orca_jax.models.loader import resolve_model_path
+
+    return resolve_dtype(requested, backend, checkpoint_dtype(resolve_model_path(model)))
 
 
 def checkpoint_dtype(path: Path) -> str | None:

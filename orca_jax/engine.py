@@ -39,7 +39,7 @@ from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
-from orca_jax.models.loader import load_model, resolve_model_path
+from orca_jax.models.loader import load_model
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output
 from orca_jax.runner import ModelRunner
@@ -70,7 +70,7 @@ def _resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
     """dtype="auto" made concrete for this backend and checkpoint, before the model loads in it."""
     if config.dtype != "auto":
         return config
-    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), resolve_model_path(config.model))
+    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), config.model)
     logger.info("dtype auto: %s on backend %s", dtype, jax.default_backend())
     return dataclasses.replace(config, dtype=dtype)
 
