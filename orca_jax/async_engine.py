@@ -68,6 +68,9 @@ class EngineStats:
     kv_pages_total: int = 0
     num_preemptions: int = 0  # since start
     num_steps: int = 0  # model steps since start
+    kv_pages_cached: int = 0  # pages published in the prefix cache, held or not
+    prefix_cache_queries: int = 0  # tokens looked up at admission, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
     @property
     def kv_cache_usage(self) -> float:
@@ -398,6 +401,9 @@ class AsyncLLMEngine:
             kv_pages_total=allocator.num_usable,
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.engine.num_steps,
+            kv_pages_cached=allocator.num_cached,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
         )
 
 

@@ -94,8 +94,10 @@ def num_slots(config: EngineConfig) -> int:
 
 def page_write_capacity(config: EngineConfig, num_tokens: int) -> int:
     """Most page-table entries one step can add: a row of n new tokens starting at s adds
-    ceil((s+n)/ps) - ceil(s/ps) <= n/ps + 1 pages, so a bucket adds at most T/ps + S."""
-    return config.seq_bucket(num_tokens) + num_tokens // config.page_size + 1
+    ceil((s+n)/ps) - ceil(s/ps) <= n/ps + 1 pages, so a bucket adds at most T/ps + S; and a
+    sequence joining after a cached prefix adds that prefix's pages, which the scheduler
+    keeps to `cached_pages_per_step` per step."""
+    return config.seq_bucket(num_tokens) + num_tokens // config.page_size + 1 + config.cached_pages_per_step
 
 
 def create_token_counts(config: EngineConfig, vocab_size: int, sharding=None) -> tuple[jax.Array, jax.Array]:

@@ -30,7 +30,8 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
-                "scheduling", "async_scheduling", "compilation_cache_dir", "model_cache_dir")
+                "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
+                "model_cache_dir")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
 CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_cache": "model_cache_dir"}
 
@@ -72,6 +73,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {EngineConfig.gpu_memory_utilization}; unused on CPU)")
     parser.add_argument("--scheduling", default=None, choices=["iteration", "request"],
                         help="iteration-level (Orca) or request-level static batching (default: iteration)")
+    parser.add_argument("--enable-prefix-caching", default=None, action=argparse.BooleanOptionalAction,
+                        help="reuse the KV pages of prompt prefixes already computed (default: on); "
+                             "--no-enable-prefix-caching computes every prompt")
     parser.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                         help="overlap the host's work with the device: dispatch step N+1 before reading step "
                              "N's tokens (same outputs); --no-async-scheduling runs one step at a time "

@@ -20,6 +20,9 @@ SCHEDULING_POLICIES = ("iteration", "request")
 # "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
 ATTENTION_IMPLS = ("auto", *kernels.available_impls())
 DTYPES = ("float32", "bfloat16")
+# Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
+# writes per step, 8,192 tokens at the default page size.
+MAX_CACHED_PAGES_PER_STEP = 512
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,10 @@ class EngineConfig:
     # same either way; False runs one step at a time.
     async_scheduling: bool = True
     max_logprobs: int = 20
+    # Automatic prefix caching (vLLM's default): full KV pages are kept under the hash of their
+    # tokens and the tokens before them, and a new sequence starts after the longest prefix
+    # found (orca_jax.prefix_cache). Only the iteration-level policy looks prefixes up.
+    enable_prefix_caching: bool = True
     min_token_bucket: int = 8
     seed: int = 0
     # JAX's persistent compilation cache: a second start loads the step programs instead of
@@ -144,8 +151,9 @@ class EngineConfig:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
             errors.append(f"num_pages must be >= 2 (page 0 is the padding sink), got {self.num_pages}")
-        if not isinstance(self.async_scheduling, bool):
-            errors.append(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             errors.append(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -191,6 +199,15 @@ class EngineConfig:
     def max_pages_per_seq(self) -> int:
         assert self.max_model_len, "call resolve() first"
         return -(-self.max_model_len // self.page_size)
+
+    @property
+    def cached_pages_per_step(self) -> int:
+        """Pages found in the prefix cache that one step may add to page tables: every step's
+        inputs carry room for this many page-table writes beyond its own tokens' (8 bytes
+        each), so it is bounded, and a longer cached prefix is taken only in part."""
+        if not self.enable_prefix_caching or self.scheduling != "iteration":
+            return 0
+        return min(self.max_pages_per_seq, MAX_CACHED_PAGES_PER_STEP)
 
     def seq_bucket(self, token_bucket: int) -> int:
         """Sequence rows compiled with a token bucket. A step never holds more sequences than

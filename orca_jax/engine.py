@@ -386,6 +386,8 @@ class LLMEngine:
         scheduled = failure.scheduled
         logger.error("step failed; aborting %d request(s) in it", len({s.request_id for s in scheduled.seqs}),
                      exc_info=failure.cause)
+        # The pages it was to fill hold no K/V: a later request must not find them.
+        self.scheduler.forget_published(scheduled)
         failed = {seq.request_id: self.requests[seq.request_id] for seq in scheduled.seqs
                   if seq.request_id in self.requests}
         for request in failed.values():
@@ -400,6 +402,13 @@ class LLMEngine:
             self.runner.reset_kv_cache()
             recompute_running(self.scheduler)
         return list(failed.values())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's: call it after changing the weights). Pages
+        held by running sequences stay theirs; only later lookups miss. Always succeeds."""
+        dropped = self.scheduler.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached pages forgotten", dropped)
+        return True
 
     def shutdown(self) -> None:
         """Release the other processes of a multi-host run (they leave their step loop and

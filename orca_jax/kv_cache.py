@@ -6,13 +6,15 @@ in one array `[num_layers, num_pages, ...]`; the step views it as `num_layers * 
 and offsets page ids by layer, so the layer scan writes in place into one donated buffer.
 
 Page 0 is never handed out: padding tokens write their K/V there, so a padded step cannot
-touch a page that belongs to a sequence.
+touch a page that belongs to a sequence. Pages are held by reference and full pages can be
+published under their content hash, so sequences with a common prefix share its pages
+(`PageAllocator`, `orca_jax.prefix_cache`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, OrderedDict, deque
 
 import jax
 import jax.numpy as jnp
@@ -25,19 +27,35 @@ PADDING_PAGE = 0
 
 
 class PageAllocator:
-    """Free list of KV pages. Pages are owned by one sequence at a time."""
+    """The pool of KV pages: who holds each page, and what is known of its contents.
+
+    A page is held by reference: a sequence holds every page of its page table once, and
+    several sequences hold the same page when they share a cached prefix. A full page whose
+    tokens are in the cache can be *published* under its content hash (`orca_jax.prefix_cache`):
+    `lookup` then finds it for a later sequence with the same prefix. A page nobody holds any
+    more stays cached if it is published, and is evicted, least recently released first, only
+    when a page is needed and none is free; so `num_free` counts free and evictable pages
+    alike, and `num_used` only the pages some sequence holds. Page 0, the padding sink, is
+    never handed out, published or counted.
+    """
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise ValueError("need at least 2 pages: page 0 is reserved as the padding sink")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))
-        self._is_free = [False] + [True] * (num_pages - 1)  # catches double frees cheaply
+        self._free: deque[int] = deque(range(1, num_pages))  # held by nobody, no published contents
+        self._refs = [0] * num_pages
+        # Held by nobody but published, in release order (the first is evicted first).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones, and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_usable(self) -> int:
@@ -45,32 +63,58 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
+        """Pages some sequence holds."""
         return self.num_usable - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Published pages, held or not."""
+        return len(self._page_of_hash)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free
 
     def allocate(self, num_pages: int) -> list[int]:
-        """Take `num_pages` free pages. Running short is the caller's bug, not a state of the
-        pool: the scheduler asks `can_allocate` (through `grow_to`) and preempts instead."""
-        if num_pages > len(self._free):
-            raise ValueError(f"asked for {num_pages} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(num_pages)]
+        """Take `num_pages` pages, free ones first, then evicting cached ones nobody holds.
+        Running short is the caller's bug, not a state of the pool: the scheduler asks
+        `can_allocate` (through `grow_to`) and preempts instead."""
+        if num_pages > self.num_free:
+            raise ValueError(f"asked for {num_pages} pages, {self.num_free} free")
+        pages = [self._take_unheld() for _ in range(num_pages)]
         for page in pages:
-            self._is_free[page] = False
+            self._refs[page] = 1
         return pages
 
+    def _take_unheld(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        self._forget(page)
+        self.num_evictions += 1
+        return page
+
     def free(self, pages: list[int]) -> None:
-        """Return pages to the pool. A page freed twice (or page 0) would later get two owners,
-        so it is an error here rather than silent corruption there."""
-        for page in pages:
-            if page == PADDING_PAGE or self._is_free[page]:
+        """Drop one reference to each page. A page nobody holds any more becomes free, or
+        evictable if it is published; pages are released in reverse, so that a sequence's
+        last pages (the least shared) are evicted before its first. Dropping a reference
+        that is not held (a double free, or page 0) would later give a page two owners, so it
+        is an error here rather than silent corruption there."""
+        for page, count in Counter(pages).items():
+            if page == PADDING_PAGE or self._refs[page] < count:
                 raise ValueError(f"page {page} is not allocated (double free or padding page)")
-            self._is_free[page] = True
-        self._free.extend(pages)
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._hash_of_page:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
 
     def grow_to(self, pages: list[int], num_tokens: int) -> bool:
         """Append pages to `pages` until it holds `num_tokens` tokens. False if the pool is short
@@ -82,6 +126,68 @@ class PageAllocator:
             return False
         pages.extend(self.allocate(missing))
         return True
+
+    # ---- content-addressed pages (prefix caching) -------------------------------------------
+    def lookup(self, page_hashes: list[bytes]) -> list[int]:
+        """The published pages of the longest prefix of `page_hashes` (a chain: page i's hash
+        covers pages 0..i, so the first miss ends the prefix). Takes no reference."""
+        pages = []
+        for page_hash in page_hashes:
+            page = self._page_of_hash.get(page_hash)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def hold(self, pages: list[int]) -> None:
+        """Take a reference to each of these published pages (a prefix `lookup` found)."""
+        for page in pages:
+            if page not in self._hash_of_page:
+                raise ValueError(f"page {page} is not published")
+            if self._refs[page] == 0:
+                del self._evictable[page]
+            self._refs[page] += 1
+
+    def publish(self, page: int, page_hash: bytes) -> bool:
+        """Record that a held, full page holds the tokens `page_hash` names. False (and
+        nothing changes) when another page is published under that hash already (two
+        sequences computed the same prefix at once; the first one stays the cached one) or
+        this page is published already."""
+        if self._refs[page] == 0:
+            raise ValueError(f"page {page} is not held: only a sequence's own page can be published")
+        if page_hash in self._page_of_hash or page in self._hash_of_page:
+            return False
+        self._page_of_hash[page_hash] = page
+        self._hash_of_page[page] = page_hash
+        return True
+
+    def unpublish(self, page: int, page_hash: bytes) -> None:
+        """Forget that `page` holds `page_hash` (its contents were not written after all: the
+        step that was to write them failed). Nothing if it is not published under that hash."""
+        if self._page_of_hash.get(page_hash) != page:
+            return
+        self._forget(page)
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every page's contents (after new weights, or a lost cache): cached pages nobody
+        holds become free, held ones stay held but will not be found. Returns how many pages
+        were published."""
+        num_published = len(self._page_of_hash)
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return num_published
+
+    def published(self) -> dict[bytes, int]:
+        """hash -> page, for tests and checks."""
+        return dict(self._page_of_hash)
+
+    def _forget(self, page: int) -> None:
+        del self._page_of_hash[self._hash_of_page.pop(page)]
 
 
 def kv_bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:

@@ -75,6 +75,10 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}

@@ -31,14 +31,23 @@ class _EngineStatsCollector:
         gauges = [
             ("orca_num_requests_running", "Requests with a sequence in the running batch.", stats.num_running),
             ("orca_num_requests_waiting", "Requests waiting for admission (including preempted ones).", stats.num_waiting),
-            ("orca_kv_cache_usage_ratio", "Fraction of usable KV pages in use.", stats.kv_cache_usage),
-            ("orca_kv_pages_used", "KV pages in use.", stats.kv_pages_used),
+            ("orca_kv_cache_usage_ratio", "Fraction of usable KV pages held by sequences (cached pages "
+             "nobody holds count as free).", stats.kv_cache_usage),
+            ("orca_kv_pages_used", "KV pages held by sequences.", stats.kv_pages_used),
             ("orca_kv_pages_total", "Usable KV pages.", stats.kv_pages_total),
+            ("orca_prefix_cache_pages", "KV pages in the prefix cache (held or evictable).", stats.kv_pages_cached),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("orca_num_preemptions", "Sequences preempted (to be recomputed).", value=stats.num_preemptions)
-        yield CounterMetricFamily("orca_engine_steps", "Model steps run.", value=stats.num_steps)
+        counters = [
+            ("orca_num_preemptions", "Sequences preempted (to be recomputed).", stats.num_preemptions),
+            ("orca_engine_steps", "Model steps run.", stats.num_steps),
+            ("orca_prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+             stats.prefix_cache_queries),
+            ("orca_prefix_cache_hits", "Tokens found in the prefix cache at admission.", stats.prefix_cache_hits),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServerMetrics:

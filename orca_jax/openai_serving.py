@@ -343,9 +343,14 @@ def _top(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 
 def _usage(submitted: _Submitted) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in submitted.last_outputs if o is not None)
+    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` counts the prompt tokens the
+    prefix cache served."""
+    outputs = [o for o in submitted.last_outputs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
     completion = submitted.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(body: dict) -> str:

@@ -43,6 +43,9 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Prompt tokens found in the prefix cache when the request's first sample was admitted
+    # (vLLM's name); None before that.
+    num_cached_tokens: int | None = None
 
     # Shortcuts to the first sample, for the common n=1 case.
     @property
@@ -79,6 +82,8 @@ def merge_outputs(pending: RequestOutput, newer: RequestOutput, delta: bool) -> 
             into.delta_token_ids[:0] = c.delta_token_ids
     if delta:
         merged.finished, merged.error, merged.finish_time = newer.finished, newer.error, newer.finish_time
+        if newer.num_cached_tokens is not None:
+            merged.num_cached_tokens = newer.num_cached_tokens
         if newer.first_token_time is not None:
             merged.first_token_time = newer.first_token_time
     return merged

@@ -73,6 +73,7 @@ def make_output(request: Request) -> RequestOutput | None:
         arrival_time=request.arrival_time,
         first_token_time=request.first_token_time,
         finish_time=time.monotonic() if finished else None,
+        num_cached_tokens=request.seqs[0].num_cached_tokens,
     )
 
 

@@ -7,11 +7,20 @@ per row the sequence, its new tokens, where they start and whether the row sampl
   chunked prefills); the remaining token budget admits waiting requests first come, first
   served. Finished sequences leave after any step and new ones join at the next. When the page
   pool runs dry the most recently admitted sequence is preempted: its pages are freed and it is
-  recomputed from scratch later (its generated tokens are kept).
+  recomputed later (its generated tokens are kept; with prefix caching its full pages stay
+  cached, so its recompute will likely find them).
 - "request": Orca's baseline (FasterTransformer-style static batching). A batch is admitted
   only when none is running, with pages for each member's whole length reserved up front, and
   runs until every member has finished; later arrivals wait for the next batch. The step itself
   is the same, so the two policies differ only here.
+
+Prefix caching (`EngineConfig.enable_prefix_caching`, iteration-level only): admission looks up
+the longest run of a sequence's full pages already in the cache (`PageAllocator.lookup`, by
+the content hashes of `orca_jax.prefix_cache`), holds those pages and schedules only the
+rest. Every full page is published as soon as its tokens are scheduled, so the next sequence
+admitted, even in the same step, finds it: within a step every layer writes the step's K/V
+before its attention reads any, and later steps run after it on the device. A step that
+fails takes its publications back (`forget_published`).
 
 Tokens are counted when they are scheduled (as vLLM V1 does): `num_computed_tokens` rises in
 `schedule()`, and a row that samples adds one to the sequence's `num_pending` until
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field
 
 from orca_jax.config import EngineConfig
 from orca_jax.kv_cache import PageAllocator
+from orca_jax.prefix_cache import extend_page_hashes
 from orca_jax.sequence import Sequence, SequenceStatus
 
 
@@ -36,7 +46,7 @@ class ScheduledBatch:
     """One step's rows, in order, as parallel lists. Iterating gives (sequence, new tokens)
     pairs, and a batch compares equal to a list of such pairs."""
 
-    __slots__ = ("seqs", "num_new", "starts", "samples", "pending_counted")
+    __slots__ = ("seqs", "num_new", "starts", "samples", "pending_counted", "published")
 
     def __init__(self):
         self.seqs: list[Sequence] = []
@@ -45,6 +55,8 @@ class ScheduledBatch:
         self.samples: list[bool] = []  # the row reaches the sequence's end, so it samples a token
         # schedule() has added each sampling row to its sequence's num_pending; `of` has not.
         self.pending_counted = True
+        # (page, hash) published while this step was scheduled: its K/V are this step's to write.
+        self.published: list[tuple[int, bytes]] = []
 
     @classmethod
     def of(cls, pairs) -> ScheduledBatch:
@@ -120,6 +132,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that had finished meanwhile
         self.num_schedules = 0
+        # Prefix cache lookups at admission, in tokens (vLLM's queries / hits counters).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # Requests (not sequences) with a sequence running / waiting, for O(1) stats.
         self._running_requests: Counter[str] = Counter()
         self._waiting_requests: Counter[str] = Counter()
@@ -141,6 +156,7 @@ class Scheduler:
             _decrement(self._waiting_requests, seq.request_id)
         self.allocator.free(seq.page_ids)
         seq.page_ids = []
+        seq.num_published_pages = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -195,28 +211,107 @@ class Scheduler:
         seq.num_pending += samples
         seq.step_mark = self.num_schedules
         scheduled.add(seq, n, start, samples)
+        if self.config.enable_prefix_caching:
+            self._publish_full_pages(seq, scheduled)
 
     def unschedule(self, scheduled: ScheduledBatch) -> None:
         """Take back what `schedule()` counted, when the step could not be dispatched: admitted
-        sequences stay admitted with their pages, but no cached count has advanced."""
+        sequences stay admitted with their pages, but no cached count has advanced, and the
+        pages the step was to fill are no longer published."""
+        self.forget_published(scheduled)
         for seq, start, samples in zip(scheduled.seqs, scheduled.starts, scheduled.samples):
             seq.num_computed_tokens = start
             seq.num_pending -= samples
+            seq.num_published_pages = min(seq.num_published_pages, start // self.allocator.page_size)
 
     def _admit_waiting(self, scheduled: ScheduledBatch, budget: int) -> None:
         """FCFS admission: the head of the queue goes first, and nothing overtakes it. A
         preempted sequence whose token is still in flight waits for it (its recompute needs
-        every token)."""
+        every token). With prefix caching a sequence starts after its cached prefix; the pages
+        of the cached prefixes one step takes are bounded (`cached_pages_per_step`), and a
+        sequence that would pass the bound waits for the next step, unless it is the step's
+        first, which then takes the bound's worth."""
+        cached_pages_left = self.config.cached_pages_per_step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break
+            cached = self._cached_prefix(seq)
+            if len(cached) > cached_pages_left:
+                if cached_pages_left < self.config.cached_pages_per_step:
+                    break
+                cached = cached[:cached_pages_left]
+            self._hold_cached_prefix(seq, cached)
             chunk = min(seq.num_uncomputed_tokens, budget)
             if not self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + chunk):
+                self._drop_pages(seq)
                 break
+            cached_pages_left -= len(cached)
+            self._count_lookup(seq)
             self._move_to_running(seq)
             self._grant(scheduled, seq, chunk)
             budget -= chunk
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether admission looks a sequence's prefix up. Not with penalties: they count the
+        tokens a step feeds (orca_jax.batch_state), and a cached prefix is not fed."""
+        return bool(self.config.cached_pages_per_step) and not seq.params.uses_penalties
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The published pages of the longest cached prefix of a waiting sequence's tokens, in
+        whole pages, short of its last token (its logits must be computed to sample the next)."""
+        if not self._looks_up(seq):
+            return []
+        ps = self.allocator.page_size
+        extend_page_hashes(seq.page_hashes, seq.tokens, seq.num_tokens, ps, seq.cache_salt)
+        return self.allocator.lookup(seq.page_hashes[:(seq.num_tokens - 1) // ps])
+
+    def _hold_cached_prefix(self, seq: Sequence, pages: list[int]) -> None:
+        self.allocator.hold(pages)
+        seq.page_ids = list(pages)
+        seq.num_computed_tokens = len(pages) * self.allocator.page_size
+        seq.num_published_pages = len(pages)
+
+    def _count_lookup(self, seq: Sequence) -> None:
+        """Counters of an admission: the tokens looked up and those found (vLLM counts every
+        lookup, a readmission after preemption too)."""
+        if self._looks_up(seq):
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
+
+    def _publish_full_pages(self, seq: Sequence, scheduled: ScheduledBatch) -> None:
+        """Publish the sequence's pages that are full of known tokens scheduled by now. A pending
+        token's page waits for the step after its token arrives (the hash needs its id)."""
+        ps = self.allocator.page_size
+        full = min(seq.num_computed_tokens, seq.num_tokens) // ps
+        if full <= seq.num_published_pages:
+            return
+        extend_page_hashes(seq.page_hashes, seq.tokens, full * ps, ps, seq.cache_salt)
+        for index in range(seq.num_published_pages, full):
+            page, page_hash = seq.page_ids[index], seq.page_hashes[index]
+            if self.allocator.publish(page, page_hash):
+                scheduled.published.append((page, page_hash))
+        seq.num_published_pages = full
+
+    def forget_published(self, scheduled: ScheduledBatch) -> None:
+        """Unpublish the pages a step was to fill, when it failed (idempotent). Only the step's
+        own sequences can hold them, unless a later step built on it, and then the engine
+        resets the whole cache (`reset_prefix_cache`)."""
+        for page, page_hash in scheduled.published:
+            self.allocator.unpublish(page, page_hash)
+        scheduled.published = []
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (vLLM's reset_prefix_cache: after a weight reload, or when
+        the KV cache itself was lost). Returns the number of pages that were published."""
+        return self.allocator.reset_prefix_cache()
+
+    def _drop_pages(self, seq: Sequence) -> None:
+        self.allocator.free(seq.page_ids)
+        seq.page_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_published_pages = 0
 
     def _reserve_or_preempt(self, seq: Sequence, desired: int) -> int:
         """Pages for up to `desired` new tokens of a running sequence, preempting the most
@@ -242,9 +337,7 @@ class Scheduler:
         still in flight stays pending and is appended when it arrives."""
         self.running.remove(seq)
         self._leave_running(seq)
-        self.allocator.free(seq.page_ids)
-        seq.page_ids = []
-        seq.num_computed_tokens = 0
+        self._drop_pages(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -275,6 +368,8 @@ class Scheduler:
         self.waiting.popleft()
         _decrement(self._waiting_requests, seq.request_id)
         seq.status = SequenceStatus.RUNNING
+        if seq.num_cached_tokens is None:  # its first admission: the prompt tokens found cached
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         seq.slot = self.slots.acquire()
         seq.slot_joined = True
         self.running.append(seq)

@@ -160,8 +160,10 @@ def recompute_running(scheduler: Scheduler) -> None:
     """After the KV cache or batch state was lost (a failed step consumed the donated
     buffers): every running sequence goes back to waiting, to be recomputed. Newest first,
     since each preemption requeues at the front: arrival order survives. Tokens still in
-    flight will never arrive (their steps are dropped): nothing stays pending."""
+    flight will never arrive (their steps are dropped): nothing stays pending. The prefix
+    cache is forgotten with the cache it indexed."""
     for seq in reversed(list(scheduler.running)):
         scheduler.preempt(seq)
+    scheduler.reset_prefix_cache()
     for seq in scheduler.waiting:
         seq.num_pending = 0

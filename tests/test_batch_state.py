@@ -24,7 +24,7 @@ from orca_jax.batch import build_batch
 from orca_jax.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS, ROW_SAMPLES, BatchState, StepInputs,
                                   create_device_state, create_token_counts, empty_step_inputs, expand,
                                   page_write_capacity, record_sampled)
-from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.config import MAX_CACHED_PAGES_PER_STEP, EngineConfig, ModelConfig
 from orca_jax.kv_cache import PADDING_PAGE, PageAllocator
 from orca_jax.runner import PendingStep
 from orca_jax.sampling import SampleOutput
@@ -134,10 +134,14 @@ def assert_matches_build_batch(config: EngineConfig, scheduled: ScheduledBatch, 
             assert np.all(got.metadata.page_table[row] == PADDING_PAGE), "a padding row reads a real page"
 
 
-def assert_device_state(config: EngineConfig, scheduled: ScheduledBatch, step: DeviceStep) -> None:
+def assert_device_state(config: EngineConfig, scheduled: ScheduledBatch, step: DeviceStep,
+                        join_starts: dict[int, int] | None = None) -> None:
     """After expand, each scheduled slot holds exactly its sequence's first start + n tokens:
     page-table entries for them (and nothing further), the output-token counts and the
-    prompt-token set of those tokens; the fed tokens are the sequence's own."""
+    prompt-token set of the tokens fed since the sequence joined the slot (all of them, but a
+    cached prefix it joined after: never for a sequence with penalties, which reads them);
+    the fed tokens are the sequence's own. `join_starts`: seq_id -> its joining row's start
+    (None: every sequence joined at 0)."""
     ps, sink = config.page_size, config.max_num_seqs
     state, batch = step.state, step.batch
     offset = 0
@@ -148,7 +152,10 @@ def assert_device_state(config: EngineConfig, scheduled: ScheduledBatch, step: D
         need = -(-(start + n) // ps)
         np.testing.assert_array_equal(state.page_table[seq.slot, :need], seq.page_ids[:need])
         assert np.all(state.page_table[seq.slot, need:] == PADDING_PAGE), "page-table entries past the step"
-        prompt, outputs = stream[:seq.num_prompt_tokens], stream[seq.num_prompt_tokens:]
+        fed_from = join_starts[seq.seq_id] if join_starts is not None else 0
+        assert fed_from == 0 or not seq.params.uses_penalties, "a sequence with penalties took a cached prefix"
+        split = max(seq.num_prompt_tokens, fed_from)
+        prompt, outputs = stream[fed_from:seq.num_prompt_tokens], stream[split:]
         np.testing.assert_array_equal(state.output_counts[seq.slot], np.bincount(outputs, minlength=V),
                                       err_msg=f"output counts of slot {seq.slot}")
         np.testing.assert_array_equal(state.prompt_seen[seq.slot], np.isin(np.arange(V), prompt),
@@ -190,6 +197,7 @@ class Events:
     page_writes: int = 0
     discarded: int = 0
     aborted: int = 0
+    cached_prefixes: int = 0  # joins after a cached prefix
 
 
 def drive(config: EngineConfig, reqs: list[Req], overlapped: bool) -> tuple[dict[int, Sequence], Events]:
@@ -197,6 +205,7 @@ def drive(config: EngineConfig, reqs: list[Req], overlapped: bool) -> tuple[dict
     run = DeviceRun(config)
     seqs: dict[int, Sequence] = {}
     events, owners = Events(), set()
+    join_starts: dict[int, int] = {}
     in_flight = None
     step = 0
     while step <= 12 or sched.has_unfinished() or in_flight:
@@ -213,10 +222,14 @@ def drive(config: EngineConfig, reqs: list[Req], overlapped: bool) -> tuple[dict
         dispatched = None
         if scheduled:
             events.joins += sum(s.slot_joined for s in scheduled.seqs)
+            for seq, start in zip(scheduled.seqs, scheduled.starts):
+                if seq.slot_joined:
+                    join_starts[seq.seq_id] = start
+                    events.cached_prefixes += start > 0
             device_step = run.step(scheduled)
             if not overlapped:  # build_batch needs every token on the host
                 assert_matches_build_batch(config, scheduled, device_step.batch)
-            assert_device_state(config, scheduled, device_step)
+            assert_device_state(config, scheduled, device_step, join_starts)
             events.page_writes += assert_page_writes(config, device_step)
             events.chunks += scheduled.samples.count(False)
             for seq in scheduled.seqs:
@@ -252,6 +265,9 @@ def workloads(draw):
     for _ in range(draw(st.integers(1, 9))):
         arrival = draw(st.integers(0, 10))
         prompt = draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=max_len - 1))
+        if reqs and draw(st.booleans()):  # often a prefix of an earlier prompt, then its own tokens
+            earlier = draw(st.sampled_from(reqs)).prompt
+            prompt = (earlier[:draw(st.integers(1, len(earlier)))] + prompt)[:max_len - 1]
         abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 20)))
         reqs.append(Req(arrival, prompt, draw(st.integers(1, 12)), abort_at, draw(st.sampled_from(PARAMS))))
     full = max(-(-min(len(r.prompt) + r.max_tokens, max_len) // ps) for r in reqs)
@@ -275,13 +291,15 @@ def test_expand_equals_build_batch_on_scheduled_runs(case, policy, overlapped):
 def test_a_fixed_run_covers_preemption_chunks_joins_and_slot_reuse():
     """One tight workload where every event the property test relies on does happen, in both
     modes, and the outputs of requests not aborted agree between the modes."""
-    reqs = [Req(arrival=i // 2, prompt=[(7 * i + j) % V for j in range(4 + (5 * i) % 13)], max_tokens=10,
+    # Requests i, i + 3 and i + 6 share a prompt prefix.
+    reqs = [Req(arrival=i // 2, prompt=[(7 * (i % 3) + j) % V for j in range(4 + (5 * i) % 13)], max_tokens=10,
                 abort_at=3 if i == 3 else None, params=PARAMS[i % len(PARAMS)]) for i in range(9)]
     config = make_config("ps4", num_pages=1 + 8)
     outputs = {}
     for overlapped in (False, True):
         seqs, events = drive(config, reqs, overlapped)
         assert events.preemptions > 0 and events.chunks > 0 and events.aborted == 1
+        assert events.cached_prefixes > 0, "no sequence joined after a cached prefix"
         assert events.joins > len(reqs), "a preempted sequence rejoins a slot"
         assert max(events.slot_owners.values()) > 1, "no slot was reused"
         assert (events.discarded > 0) == overlapped
@@ -388,7 +406,9 @@ def test_page_writes_send_only_the_pages_a_step_needs(policy):
     config = make_config("ps1", num_pages=1 + 3 * 24, policy=policy)  # budget 8, 3 sequences
     sched = Scheduler(config, PageAllocator(config.num_pages, config.page_size))
     run = DeviceRun(config)
-    seqs = [Sequence(i, f"r{i}", 0, [1] * (2 + i), SamplingParams(temperature=0, max_tokens=20), 0) for i in range(3)]
+    # Prompts with nothing in common: no cached prefix takes page writes away.
+    seqs = [Sequence(i, f"r{i}", 0, [1 + i] * (2 + i), SamplingParams(temperature=0, max_tokens=20), 0)
+            for i in range(3)]
     for seq in seqs:
         sched.add(seq)
     scheduled = sched.schedule()
@@ -406,17 +426,22 @@ def test_page_writes_send_only_the_pages_a_step_needs(policy):
 
 
 # ---- what crosses per step ----------------------------------------------------------------------
-def test_step_inputs_bytes_do_not_grow_with_the_context():
-    """StepInputs: 4T + 56S + 8C + 4 bytes (C = S + T/ps + 1 page writes), whatever max_model_len
-    is: 17,548 bytes at T = S = 256, page size 16, far below 64 KB."""
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-caching", "prefix-caching"])
+def test_step_inputs_bytes_are_bounded_whatever_the_context(prefix_caching):
+    """StepInputs: 4T + 56S + 8C + 4 bytes, C = S + T/ps + 1 page writes plus, with prefix
+    caching, room for one cached prefix's pages, at most MAX_CACHED_PAGES_PER_STEP. At T = S =
+    256 and page size 16: 17,548 bytes at any max_model_len without caching; with it, 21,644
+    at 8,192 tokens of context (the cap) and the same at 32,768; all far below 64 KB."""
     T = 256
     sizes = {}
-    for max_model_len in (2048, 8192):
-        config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=T, page_size=16,
-                              max_model_len=max_model_len, num_pages=4096).resolve(MODEL)
+    for max_model_len in (2048, 8192, 32768):
+        config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=T, page_size=16, num_pages=4096,
+                              max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+                              ).resolve(dataclasses.replace(MODEL, max_position_embeddings=32768))
         inputs = empty_step_inputs(config, T)
+        cached = min(max_model_len // 16, MAX_CACHED_PAGES_PER_STEP) if prefix_caching else 0
         S, C = config.seq_bucket(T), page_write_capacity(config, T)
-        assert (S, C) == (256, 273) and inputs.num_tokens == T
+        assert (S, C) == (256, 273 + cached) and inputs.num_tokens == T
         sizes[max_model_len] = inputs.nbytes
         # A real step of 256 decodes is the same size (fixed shapes per bucket).
         sched = Scheduler(config, PageAllocator(config.num_pages, config.page_size))
@@ -424,7 +449,10 @@ def test_step_inputs_bytes_do_not_grow_with_the_context():
         for i in range(256):
             sched.add(Sequence(i, f"r{i}", 0, [1], SamplingParams(max_tokens=4), 0))
         assert batch_state.build(sched.schedule()).nbytes == inputs.nbytes
-    assert sizes[2048] == sizes[8192] == 4 * T + 56 * 256 + 8 * 273 + 4 == 17_548 < 64 * 1024
+    if prefix_caching:
+        assert sizes[8192] == sizes[32768] == 4 * T + 56 * 256 + 8 * (273 + 512) + 4 == 21_644 < 64 * 1024
+    else:
+        assert sizes[2048] == sizes[8192] == sizes[32768] == 4 * T + 56 * 256 + 8 * 273 + 4 == 17_548
 
 
 def test_step_inputs_flags_and_parameters_per_row():

@@ -61,6 +61,9 @@ def test_engine_settings_have_flags():
     assert EngineConfig().compilation_cache_dir is not None  # on by default
     off = _config("generate", "hi", "--no-compilation-cache", "--no-model-cache")
     assert off.compilation_cache_dir is None and off.model_cache_dir is None
+    assert off.enable_prefix_caching is True, "prefix caching is on by default"
+    assert _config("serve", "--no-enable-prefix-caching").enable_prefix_caching is False
+    assert _config("generate", "hi", "--enable-prefix-caching").enable_prefix_caching is True
     with pytest.raises(ValueError, match="contradicts"):
         _config("serve", "--no-compilation-cache", "--compilation-cache-dir", "/tmp/x")
 

@@ -1,4 +1,5 @@
-"""PageAllocator (host free list; page 0 is the padding sink) and device cache sizing."""
+"""PageAllocator (reference-counted pages, published pages cached and evicted least recently
+released first; page 0 is the padding sink) and device cache sizing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.prefix_cache import hash_page
 from orca_jax.kv_cache import (
     PADDING_PAGE,
     PageAllocator,
@@ -126,6 +128,128 @@ def test_random_grow_and_free_keep_ownership_exclusive(num_pages, page_size, ops
         alloc.free(pages)
     assert alloc.num_free == alloc.num_usable
     assert sorted(alloc.allocate(alloc.num_usable)) == list(range(1, num_pages))
+
+
+# ---- shared and cached pages (prefix caching) ----------------------------------------------------
+H = [hash_page(None, [i]) for i in range(16)]  # distinct page hashes
+
+
+def test_a_published_page_outlives_its_holder_until_evicted():
+    alloc = PageAllocator(num_pages=4, page_size=4)  # pages 1-3
+    a = alloc.allocate(2)
+    assert alloc.publish(a[0], H[0]) and alloc.publish(a[1], H[1])
+    alloc.free(a)
+    assert alloc.num_free == 3 and alloc.num_used == 0 and alloc.num_cached == 2
+    assert alloc.lookup([H[0], H[1], H[2]]) == a, "cached after release; the chain stops at the miss"
+    assert alloc.lookup([H[1]]) == [a[1]] and alloc.lookup([H[2], H[0]]) == []
+    # Allocation takes the free page first, then evicts the least recently released: a
+    # sequence's pages are released last page first, so its tail goes before its head.
+    [fresh] = alloc.allocate(1)
+    assert fresh not in a and alloc.num_cached == 2
+    [evicted] = alloc.allocate(1)
+    assert evicted == a[1] and alloc.num_evictions == 1
+    assert alloc.lookup([H[0], H[1]]) == [a[0]], "the evicted page is no longer found"
+    assert alloc.published() == {H[0]: a[0]}
+
+
+def test_holding_a_cached_page_shares_it_and_takes_it_off_the_evictable_list():
+    alloc = PageAllocator(num_pages=4, page_size=4)
+    [page] = alloc.allocate(1)
+    alloc.publish(page, H[0])
+    alloc.hold([page])  # a second sequence finds it while the first still holds it
+    assert alloc.ref_count(page) == 2 and alloc.num_used == 1
+    alloc.free([page])
+    assert alloc.ref_count(page) == 1 and alloc.num_free == 2, "still held by one"
+    alloc.free([page])
+    assert alloc.num_free == 3 and alloc.num_used == 0
+    alloc.hold([page])  # found again while evictable
+    assert alloc.ref_count(page) == 1 and alloc.num_free == 2
+    assert page not in alloc.allocate(2), "a held page is never handed out"
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([page, page])  # held once, released twice in one call: nothing changes
+    assert alloc.ref_count(page) == 1
+
+
+def test_publishing_refuses_duplicates_and_unheld_pages():
+    alloc = PageAllocator(num_pages=5, page_size=4)
+    a, b = alloc.allocate(1)[0], alloc.allocate(1)[0]
+    assert alloc.publish(a, H[0])
+    assert not alloc.publish(b, H[0]), "the first page computed for a prefix stays the cached one"
+    assert not alloc.publish(a, H[1]), "a page holds one prefix"
+    assert alloc.published() == {H[0]: a}
+    alloc.free([b])
+    assert alloc.num_cached == 1 and b in alloc._free, "an unpublished page is plainly free"
+    with pytest.raises(ValueError, match="not held"):
+        alloc.publish(b, H[2])
+    with pytest.raises(ValueError, match="not published"):
+        alloc.hold([b])
+
+
+def test_unpublish_and_reset():
+    alloc = PageAllocator(num_pages=5, page_size=4)
+    pages = alloc.allocate(3)
+    for page, page_hash in zip(pages, H):
+        alloc.publish(page, page_hash)
+    alloc.unpublish(pages[0], H[1])  # not its hash: nothing
+    assert alloc.num_cached == 3
+    alloc.free(pages[1:])
+    alloc.unpublish(pages[1], H[1])  # evictable and unpublished: plainly free
+    assert alloc.lookup([H[1]]) == [] and pages[1] in alloc._free and pages[1] not in alloc._evictable
+    assert alloc.reset_prefix_cache() == 2
+    assert alloc.num_cached == 0 and alloc.lookup([H[0]]) == [] and alloc.lookup([H[2]]) == []
+    assert alloc.ref_count(pages[0]) == 1, "a held page stays held"
+    alloc.free(pages[:1])
+    assert sorted(alloc._free) == [1, 2, 3, 4] and not alloc._evictable
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_pages=st.integers(2, 12), ops=st.lists(st.tuples(st.sampled_from("agfpuhr"), st.integers(0, 7),
+                                                             st.integers(0, 15)), max_size=80))
+def test_random_sharing_keeps_counts_and_lists_consistent(num_pages, ops):
+    """Allocate, release, publish, unpublish, hold and reset at random, against a model of who
+    holds what: reference counts equal the holders, never negative; a held page is on no free
+    list; every page is held, free or evictable, exactly one of them; published pages map both
+    ways; page 0 never appears."""
+    alloc = PageAllocator(num_pages, page_size=4)
+    holders: dict[int, list[int]] = {}
+    for op, owner, k in ops:
+        pages = holders.setdefault(owner, [])
+        if op == "a" and alloc.can_allocate(1):
+            pages.extend(alloc.allocate(1))
+        elif op == "g":
+            alloc.grow_to(pages, (len(pages) + k % 3) * 4)
+        elif op == "f":
+            alloc.free(pages)
+            holders[owner] = []
+        elif op == "p" and pages:
+            alloc.publish(pages[k % len(pages)], H[k])
+        elif op == "u":
+            page = alloc.published().get(H[k])
+            if page is not None:
+                alloc.unpublish(page, H[k])
+        elif op == "h":
+            found = alloc.lookup([H[k]])
+            if found and found[0] not in pages:
+                alloc.hold(found)
+                pages.extend(found)
+        elif op == "r" and k == 0:
+            alloc.reset_prefix_cache()
+        counts = {}
+        for held in holders.values():
+            for page in held:
+                counts[page] = counts.get(page, 0) + 1
+        assert PADDING_PAGE not in counts
+        assert all(alloc.ref_count(p) == counts.get(p, 0) for p in range(num_pages))
+        free, evictable = set(alloc._free), set(alloc._evictable)
+        assert len(free) == len(alloc._free) and not free & evictable
+        assert not (free | evictable) & set(counts), "a held page is on a free list"
+        assert len(free) + len(evictable) + len(counts) == alloc.num_usable
+        published = alloc.published()
+        assert evictable <= set(published.values()) and not free & set(published.values())
+        assert len(set(published.values())) == len(published), "two hashes on one page"
+    for held in holders.values():
+        alloc.free(held)
+    assert alloc.num_free == alloc.num_usable and alloc.num_used == 0
 
 
 def test_cache_shape_and_page_bytes():

@@ -169,3 +169,17 @@ def test_progress_bar_counts_prompts_and_tokens(llm, capsys):
     err = capsys.readouterr().err
     assert "Processed prompts" in err and f"{len(PROMPTS)}/{len(PROMPTS)}" in err and "tok/s" in err
     assert_idle(llm)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_until_the_cache_is_reset(llm):
+    """LLM.generate on a prompt it has seen: the outputs say how much of it came from the prefix
+    cache (vLLM's num_cached_tokens), and reset_prefix_cache() forgets it."""
+    prompt = list(range(60, 100))  # 40 tokens
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm.reset_prefix_cache()
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+    assert second.num_cached_tokens % llm.engine.config.page_size == 0 and second.num_cached_tokens < 40
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0

@@ -1,7 +1,10 @@
 """Scheduler + PageAllocator without a model: model steps are simulated with postprocess().
 
-The property tests drive random arrivals, prompt lengths, max_tokens, aborts and tiny page pools
-through both policies and check the scheduler's invariants after every schedule() call.
+The property tests drive random arrivals, prompts (often sharing a prefix), max_tokens, aborts,
+failed steps and tiny page pools through both policies, with prefix caching on and off, and
+check the scheduler's invariants after every schedule() call. A fake KV cache records which
+token prefix each page slot holds K/V for, so that every step's reads are checked against what
+an earlier (or the same) step wrote, and every published page against its hash.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ MODEL = ModelConfig(
 
 
 def make_scheduler(**kw) -> Scheduler:
-    settings_ = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=33, max_model_len=64)
+    """The hand-made cases below are about the policies: their prompts overlap, so prefix
+    caching is off unless a case turns it on (tests/test_prefix_cache.py has its own)."""
+    settings_ = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=33, max_model_len=64,
+                     enable_prefix_caching=False)
     settings_.update(kw)
     config = EngineConfig(**settings_).resolve(MODEL)
     return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
@@ -226,6 +232,85 @@ def test_unschedule_restores_the_counts():
 
 
 # ---------------------------------------------------------------------------------------------
+# Prefix caching, hand-made
+# ---------------------------------------------------------------------------------------------
+def caching_scheduler(**kw) -> Scheduler:
+    return make_scheduler(enable_prefix_caching=True, **kw)
+
+
+def finish_alone(sched: Scheduler, seq: Sequence) -> None:
+    sched.add(seq)
+    while not seq.is_finished:
+        run_step(sched)
+
+
+def test_admission_starts_after_the_cached_prefix():
+    """A 14-token prompt leaves 3 full pages of 4 cached; a later prompt sharing 13 tokens finds
+    them, is scheduled from token 12, and the counters say so."""
+    sched = caching_scheduler(max_num_batched_tokens=32)
+    first = make_seq(0, 14, max_tokens=2)
+    finish_alone(sched, first)
+    assert sched.allocator.num_cached == 3 and sched.allocator.num_used == 0
+    later = Sequence(1, "r1", 0, first.prompt_token_ids[:13] + [99, 98], SamplingParams(max_tokens=2), seed=1)
+    sched.add(later)
+    scheduled = sched.schedule()
+    assert scheduled == [(later, 3)] and scheduled.starts == [12]
+    assert later.num_cached_tokens == 12 and later.page_ids[:3] == sched.allocator.lookup(later.page_hashes[:3])
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (14 + 15, 12)
+    assert all(sched.allocator.ref_count(p) == 1 for p in later.page_ids)
+
+
+def test_penalties_and_the_request_policy_do_not_look_up():
+    for kw, params in (({}, SamplingParams(max_tokens=2, repetition_penalty=1.1)),
+                       ({"scheduling": "request"}, SamplingParams(max_tokens=2))):
+        sched = caching_scheduler(**kw)
+        finish_alone(sched, make_seq(0, 14, max_tokens=2))
+        again = Sequence(1, "r1", 0, make_seq(0, 14).prompt_token_ids, params, seed=1)
+        sched.add(again)
+        assert sched.schedule().starts == [0] and again.num_cached_tokens == 0
+
+
+def test_cached_pages_per_step_are_bounded():
+    """At most `cached_pages_per_step` cached pages join one step (the page writes it carries):
+    a second sequence that would pass the bound waits a step, though budget is left."""
+    sched = caching_scheduler(max_num_batched_tokens=16, max_model_len=64, num_pages=40)
+    assert sched.config.cached_pages_per_step == 16
+    first = make_seq(0, 60, max_tokens=1)
+    finish_alone(sched, first)
+    b, c = (Sequence(i, f"r{i}", 0, list(first.prompt_token_ids), SamplingParams(max_tokens=2), seed=i) for i in (1, 2))
+    sched.add(b)
+    sched.add(c)
+    step = sched.schedule()
+    assert step == [(b, 4)] and step.starts == [56], "14 cached pages; 14 more would pass 16"
+    sched.postprocess(step, [7])
+    step = sched.schedule()
+    assert step == [(b, 1), (c, 4)] and step.starts == [60, 56]
+    assert [sched.allocator.ref_count(p) for p in c.page_ids[:14]] == [2] * 14, "b and c share 14 pages"
+
+
+def test_a_preempted_sequence_finds_its_own_pages_again():
+    """Preempted, its full pages stay cached while nobody needs them, and its recompute
+    starts after them."""
+    sched = caching_scheduler(page_size=2, num_pages=6, max_num_batched_tokens=8, max_num_seqs=2)  # 5 pages
+    old, new = make_seq(0, 3, max_tokens=4), Sequence(1, "r1", 0, [40, 41, 42], SamplingParams(max_tokens=4), 1)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)
+    run_step(sched)
+    # Position 4 needs a third page each and one is free: the newest is preempted.
+    assert run_step(sched) == [(old, 1)] and new.status is SequenceStatus.WAITING
+    assert sched.allocator.num_cached == 2 + 2, "both sequences' two full pages are cached"
+    while new.status is SequenceStatus.WAITING:
+        scheduled = run_step(sched)
+    row = scheduled.seqs.index(new)
+    assert scheduled.starts[row] > 0, "the recompute starts after its own cached pages"
+    while sched.has_unfinished():
+        run_step(sched)
+    assert old.output_token_ids == new.output_token_ids == [7] * 4
+    assert sched.allocator.num_free == sched.allocator.num_usable
+
+
+# ---------------------------------------------------------------------------------------------
 # Property tests
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -234,10 +319,27 @@ class Req:
     prompt_len: int
     max_tokens: int
     abort_at: int | None
+    tokens: tuple[int, ...] | None = None  # the prompt; None: prompt_len fives
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.tokens) if self.tokens is not None else [5] * self.prompt_len
+
+
+# Two "documents" prompts start from, so that prefixes are shared in whole pages and in part.
+DOCUMENTS = [[(7 * i + 3) % 13 + 1 for i in range(48)], [(5 * i + 1) % 11 + 1 for i in range(48)]]
 
 
 @st.composite
-def workloads(draw):
+def prompts(draw, length: int) -> tuple[int, ...]:
+    shared = draw(st.integers(0, length))
+    document = DOCUMENTS[draw(st.integers(0, 1))]
+    tail = draw(st.lists(st.integers(1, 3), min_size=length - shared, max_size=length - shared))
+    return tuple(document[:shared] + tail)
+
+
+@st.composite
+def workloads(draw, failures: bool = True):
     page_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.integers(4, 48))
     max_num_seqs = draw(st.integers(1, 6))
@@ -246,13 +348,17 @@ def workloads(draw):
     for _ in range(draw(st.integers(1, 12))):
         arrival = draw(st.integers(0, 12))
         abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 25)))
-        reqs.append(Req(arrival, draw(st.integers(1, max_model_len - 1)), draw(st.integers(1, 16)), abort_at))
+        prompt_len = draw(st.integers(1, max_model_len - 1))
+        reqs.append(Req(arrival, prompt_len, draw(st.integers(1, 16)), abort_at, draw(prompts(prompt_len))))
     # The engine rejects requests that cannot fit the pool at full length; beyond that, pools
     # are tiny so that preemption is common.
     full = max(-(-min(r.prompt_len + r.max_tokens, max_model_len) // page_size) for r in reqs)
     num_usable = full + draw(st.one_of(st.integers(0, 2), st.integers(0, full * 3)))
+    # Steps whose dispatch fails (the engine then fails the requests in them).
+    failing = draw(st.frozensets(st.integers(0, 30), max_size=2)) if failures else frozenset()
     return dict(page_size=page_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget, num_pages=num_usable + 1), reqs
+                max_num_batched_tokens=budget, num_pages=num_usable + 1,
+                enable_prefix_caching=draw(st.booleans()), failing_steps=failing), reqs
 
 
 # The fake model: the k-th output token of a sequence is a fixed function of (sequence, k), so
@@ -309,16 +415,77 @@ def snapshot(sched: Scheduler) -> dict[int, Before]:
 
 
 def check_pages(sched: Scheduler, live: list[Sequence], finished: list[Sequence]) -> None:
+    """Every page is held (as often as sequences hold it), free, or cached and evictable; never
+    two of these. Without prefix caching no page is shared."""
     alloc = sched.allocator
-    owned = [p for s in live for p in s.page_ids]
-    assert len(owned) == len(set(owned)), "a page is owned by two sequences"
-    assert PADDING_PAGE not in owned, "the padding page was handed out"
-    assert all(1 <= p < alloc.num_pages for p in owned)
-    free = list(alloc._free)
-    assert len(free) == len(set(free)) and not set(free) & set(owned)
-    assert len(owned) + alloc.num_free == alloc.num_usable, "pages leaked or double-counted"
+    holders = Counter(p for s in live for p in s.page_ids)
+    assert all(len(set(s.page_ids)) == len(s.page_ids) for s in live), "a page twice in one page table"
+    assert PADDING_PAGE not in holders, "the padding page was handed out"
+    assert all(1 <= p < alloc.num_pages for p in holders)
+    assert [alloc.ref_count(p) for p in range(alloc.num_pages)] == [holders[p] for p in range(alloc.num_pages)], \
+        "reference counts differ from the page tables holding each page"
+    free, evictable = list(alloc._free), list(alloc._evictable)
+    published = alloc.published()
+    assert len(free) + len(evictable) == len(set(free) | set(evictable)), "a page listed twice as free"
+    assert not (set(free) | set(evictable)) & set(holders), "a held page is on a free list"
+    assert set(evictable) <= set(published.values()) and not set(free) & set(published.values())
+    assert len(holders) + alloc.num_free == alloc.num_usable, "pages leaked or double-counted"
     assert all(s.page_ids == [] for s in finished)
     assert all(len(s.page_ids) <= sched.config.max_pages_per_seq for s in live), "page table overflow"
+    if not sched.config.enable_prefix_caching:
+        assert not published and max(holders.values(), default=0) <= 1, "pages shared with caching off"
+
+
+def true_tokens(seq: Sequence, length: int) -> tuple[int, ...]:
+    """The sequence's first `length` tokens as the fake model makes them, in flight or not."""
+    outputs = [fake_token(seq.seq_id, k) for k in range(max(0, length - seq.num_prompt_tokens))]
+    return tuple((seq.prompt_token_ids + outputs)[:length])
+
+
+class FakeKVCache:
+    """Which K/V each page slot holds: a position's K/V depend on every token up to it, so a
+    slot holds the token prefix ending there. A step writes its rows' positions, then every
+    row reads its whole context (as each layer writes before its attention reads)."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.prefix_of_hash: dict[bytes, tuple[int, ...]] = {}
+
+    def run(self, scheduled) -> None:
+        ps = self.page_size
+        for seq, n, start in zip(scheduled.seqs, scheduled.num_new, scheduled.starts):
+            tokens = true_tokens(seq, start + n)
+            for p in range(start, start + n):
+                self.slots[seq.page_ids[p // ps], p % ps] = tokens[:p + 1]
+        for seq, n, start in zip(scheduled.seqs, scheduled.num_new, scheduled.starts):
+            tokens = true_tokens(seq, start + n)
+            for p in range(start + n):
+                assert self.slots.get((seq.page_ids[p // ps], p % ps)) == tokens[:p + 1], \
+                    f"seq {seq.seq_id} reads the wrong K/V at position {p} (cached prefix {start})"
+
+    def check_published(self, alloc: PageAllocator, seqs: list[Sequence]) -> None:
+        """The hash table never maps to a page whose contents are not its hash's tokens."""
+        ps = self.page_size
+        for seq in seqs:
+            for i, page_hash in enumerate(seq.page_hashes):
+                self.prefix_of_hash.setdefault(page_hash, true_tokens(seq, (i + 1) * ps))
+        for page_hash, page in alloc.published().items():
+            prefix = self.prefix_of_hash[page_hash]
+            for offset in range(ps):
+                assert self.slots.get((page, offset)) == prefix[:len(prefix) - ps + offset + 1], \
+                    f"page {page} is published for tokens it does not hold"
+
+
+def fail_step(sched: Scheduler, scheduled) -> set[str]:
+    """What the engine does when a step's dispatch raises: take the step back, then fail the
+    requests in it (the step's publications are forgotten, the sequences aborted)."""
+    sched.unschedule(scheduled)
+    sched.forget_published(scheduled)
+    for seq in scheduled.seqs:
+        if not seq.is_finished:
+            sched.finish(seq, "abort")
+    return {seq.request_id for seq in scheduled.seqs}
 
 
 def check_slots_and_counters(sched: Scheduler, finished: list[Sequence]) -> None:
@@ -341,8 +508,12 @@ def check_schedule(sched: Scheduler, scheduled, before: dict[int, Before], waiti
     for seq, n, start, samples in zip(scheduled.seqs, scheduled.num_new, scheduled.starts, scheduled.samples):
         b = before[id(seq)]
         assert seq.status is SequenceStatus.RUNNING and seq in sched.running
-        # A sequence preempted (and readmitted) within this schedule starts over.
-        assert start == (0 if seq.num_preemptions > b.preemptions else b.computed)
+        # A sequence admitted (or preempted and readmitted) within this schedule starts over,
+        # or after a cached prefix of whole pages.
+        if b.status is SequenceStatus.WAITING or seq.num_preemptions > b.preemptions:
+            assert start == 0 or (config.cached_pages_per_step and start % ps == 0), "admitted mid-context"
+        else:
+            assert start == b.computed
         known = b.num_tokens + b.pending  # tokens the host or the device holds
         assert 1 <= n <= known - start, "scheduled a token nobody knows yet"
         assert samples == (start + n == known), "a row samples exactly when it reaches the end"
@@ -418,12 +589,17 @@ def postprocess_and_check(sched: Scheduler, scheduled, tokens: list[int], discar
 def simulate(config_kw: dict, reqs: list[Req], policy: str, overlapped: bool = False) -> Scheduler:
     """Drive the scheduler with the fake model. Synchronous: schedule, run, postprocess.
     Overlapped (the engine's async mode): step k+1 is scheduled before step k is postprocessed,
-    so every step is scheduled with the previous one's tokens still in flight."""
+    so every step is scheduled with the previous one's tokens still in flight. A step in
+    `failing_steps` fails at dispatch: the steps in flight complete, its requests fail."""
+    config_kw = dict(config_kw)
+    failing_steps = config_kw.pop("failing_steps", frozenset())
     config = EngineConfig(scheduling=policy, **config_kw).resolve(MODEL)
     alloc = PageAllocator(config.num_pages, config.page_size)
     sched = Scheduler(config, alloc)
+    kv = FakeKVCache(config.page_size)
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     seqs: dict[int, Sequence] = {}  # request index -> its sequence, seq_id = arrival order
+    failed: set[str] = set()
     discarded: Counter[int] = Counter()
     in_flight = None
     step = 0
@@ -431,7 +607,7 @@ def simulate(config_kw: dict, reqs: list[Req], policy: str, overlapped: bool = F
         assert step < 5000, "no progress: livelock"
         for i in order:
             if reqs[i].arrival == step:
-                seq = Sequence(len(seqs), f"r{i}", 0, [5] * reqs[i].prompt_len,
+                seq = Sequence(len(seqs), f"r{i}", 0, reqs[i].prompt,
                                SamplingParams(max_tokens=reqs[i].max_tokens, temperature=0), seed=i)
                 seqs[i] = seq
                 sched.add(seq)
@@ -442,13 +618,23 @@ def simulate(config_kw: dict, reqs: list[Req], policy: str, overlapped: bool = F
         before, waiting_before = snapshot(sched), list(sched.waiting)
         scheduled = sched.schedule()
         check_schedule(sched, scheduled, before, waiting_before, overlapped)
-        dispatched = (scheduled, fake_step(scheduled)) if scheduled else None
-        done, in_flight = (in_flight, dispatched) if overlapped else (dispatched, None)
-        if done is not None:
-            postprocess_and_check(sched, *done, discarded)
+        if scheduled and step in failing_steps:
+            done, in_flight = in_flight, None
+            if done is not None:
+                postprocess_and_check(sched, *done, discarded)
+            failed |= fail_step(sched, scheduled)
+        else:
+            dispatched = None
+            if scheduled:
+                kv.run(scheduled)
+                dispatched = (scheduled, fake_step(scheduled))
+            done, in_flight = (in_flight, dispatched) if overlapped else (dispatched, None)
+            if done is not None:
+                postprocess_and_check(sched, *done, discarded)
         live = list(sched.running) + list(sched.waiting)
         finished = [s for s in seqs.values() if s.is_finished]
         check_pages(sched, live, finished)
+        kv.check_published(alloc, list(seqs.values()))
         check_slots_and_counters(sched, finished)
         assert all(s.status is SequenceStatus.WAITING for s in sched.waiting)
         assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
@@ -460,7 +646,8 @@ def simulate(config_kw: dict, reqs: list[Req], policy: str, overlapped: bool = F
     assert len(seqs) == len(reqs)
     assert not sched.running and not sched.waiting
     assert alloc.num_free == alloc.num_usable
-    assert sorted(alloc._free) == list(range(1, config.num_pages))
+    assert sorted(list(alloc._free) + list(alloc._evictable)) == list(range(1, config.num_pages))
+    assert all(alloc.ref_count(p) == 0 for p in range(config.num_pages))
     assert sched.slots.num_free == config.max_num_seqs
     assert sched.num_running_requests == sched.num_waiting_requests == 0
     for i, seq in seqs.items():
@@ -468,7 +655,7 @@ def simulate(config_kw: dict, reqs: list[Req], policy: str, overlapped: bool = F
         assert seq.num_pending in (0, discarded[seq.seq_id]), "a token in flight that never arrived"
         full = expected_output(reqs[i], seq.seq_id, config.max_model_len)
         if seq.finish_reason == "abort":
-            assert reqs[i].abort_at is not None
+            assert reqs[i].abort_at is not None or seq.request_id in failed
             assert seq.output_token_ids == full[:len(seq.output_token_ids)] and len(seq.output_token_ids) < len(full)
         else:
             assert seq.output_token_ids == full
@@ -498,7 +685,7 @@ def outputs(sched_seqs) -> dict[str, tuple]:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(), st.sampled_from(["iteration", "request"]))
+@given(workloads(failures=False), st.sampled_from(["iteration", "request"]))
 def test_overlapped_steps_end_as_the_synchronous_run(case, policy):
     """Step k+1 scheduled before step k is postprocessed (one step in flight, the engine's
     async mode): the invariants hold throughout, and every request that was not aborted ends

@@ -92,6 +92,7 @@ def test_metrics_exposes_every_series(live):
         "orca_e2e_request_latency_seconds_count", "orca_num_requests_running", "orca_num_requests_waiting",
         "orca_kv_cache_usage_ratio", "orca_kv_pages_used", "orca_kv_pages_total", "orca_num_preemptions_total",
         "orca_engine_steps_total", "orca_prompt_tokens_total", "orca_generation_tokens_total",
+        "orca_prefix_cache_queries_total", "orca_prefix_cache_hits_total", "orca_prefix_cache_pages",
     ]
     assert [name for name in expected if name not in samples] == []
     assert samples['orca_requests_total{finish_reason="length"}'] >= 1
@@ -108,6 +109,24 @@ def test_completion_usage_counts(live):
     assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
     assert out.usage.completion_tokens == 7
     assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(live):
+    """A prompt of 40 tokens, twice: the second finds 4 full pages of 8 (the last page is
+    always computed), as usage and the Prometheus counters both say."""
+    live.engine.reset_prefix_cache()
+    prompt = list(range(50, 90))
+    client = live.client()
+    before = live.metrics()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.choices[0].text == first.choices[0].text
+    after = live.metrics()
+    assert after["orca_prefix_cache_queries_total"] - before["orca_prefix_cache_queries_total"] == 80
+    assert after["orca_prefix_cache_hits_total"] - before["orca_prefix_cache_hits_total"] == 32
+    assert after["orca_prefix_cache_pages"] >= 4
 
 
 def test_chat_completion_uses_the_chat_template(live):

@@ -386,6 +386,69 @@ def _add_host_parser(sub) -> None:
     p.set_defaults(func=cmd_host)
 
 
+# ---- bench prefix ----------------------------------------------------------------------------------
+def cmd_prefix(args) -> int:
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.prefix import PrefixSettings, format_report, run_prefix
+
+    settings = PrefixSettings(
+        model=args.model, num_requests=args.num_requests, prefix_len=args.prefix_len,
+        question_range=args.question_range, output_len=args.output_len, rate=args.rate or None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size, dtype=args.dtype, seed=args.seed, n_samples=args.n,
+        overhead_requests=args.overhead_requests, overhead_rounds=args.overhead_rounds)
+    record = run_prefix(settings, command_from_args("prefix", args), progress=lambda line: print(line, flush=True))
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def _add_prefix_parser(sub) -> None:
+    from orca_jax.bench.prefix import PrefixSettings
+
+    d = PrefixSettings()
+    p = sub.add_parser("prefix", help="prefix caching on vs off: requests sharing a long system prompt, "
+                                      "n > 1 sampling, and the cost when nothing is shared")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--num-requests", type=_positive_int, default=d.num_requests,
+                   help=f"requests sharing the prefix (default {d.num_requests})")
+    p.add_argument("--prefix-len", type=_positive_int, default=d.prefix_len,
+                   help=f"tokens of the shared system prompt (default {d.prefix_len})")
+    p.add_argument("--question-range", type=_range, default=d.question_range, metavar="LOW,HIGH",
+                   help="tokens of each request's own question, uniform (default %d,%d)" % d.question_range)
+    p.add_argument("--output-len", type=_positive_int, default=d.output_len,
+                   help=f"output tokens per request, EOS ignored (default {d.output_len})")
+    p.add_argument("--rate", type=float, default=d.rate,
+                   help=f"Poisson arrival rate of the second run, requests/s; 0 skips it (default {d.rate:g})")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs,
+                   help=f"max batch size, both engines (default {d.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens,
+                   help=f"token budget per step (default {d.max_num_batched_tokens})")
+    p.add_argument("--page-size", type=_positive_int, default=d.page_size,
+                   help=f"tokens per KV page, the unit of sharing (default {d.page_size})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype,
+                   help=f"engine dtype (default {d.dtype})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts and arrivals")
+    p.add_argument("--n", type=int, default=d.n_samples, help=f"samples of the n > 1 check; 0 skips it "
+                                                              f"(default {d.n_samples})")
+    p.add_argument("--overhead-requests", type=int, default=d.overhead_requests,
+                   help=f"requests of Orca's trace for the no-sharing cost; 0 skips it (default {d.overhead_requests})")
+    p.add_argument("--overhead-rounds", type=_positive_int, default=d.overhead_rounds,
+                   help=f"alternating rounds of the no-sharing runs (default {d.overhead_rounds})")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/prefix_cpu.json", help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_prefix)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -396,3 +459,4 @@ def add_bench_parser(subparsers) -> None:
     _add_simulate_parser(sub)
     _add_startup_parser(sub)
     _add_host_parser(sub)
+    _add_prefix_parser(sub)

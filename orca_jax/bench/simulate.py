@@ -48,7 +48,10 @@ def scheduler_for(cost: CostModel, policy: str, max_model_len: int, num_pages: i
                         max_position_embeddings=max_model_len, model_type="gpt2", hidden_act="gelu_new")
     config = EngineConfig(max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
                           page_size=e["page_size"], num_pages=num_pages or cost.kv_pool_pages() + 1,
-                          max_model_len=max_model_len, scheduling=policy).resolve(model)
+                          max_model_len=max_model_len, scheduling=policy,
+                          # The trace holds lengths only (every prompt token is 0, as is every
+                          # sampled one), so caching would share what Orca's requests never do.
+                          enable_prefix_caching=False).resolve(model)
     return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
 
 
