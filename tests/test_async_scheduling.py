@@ -16,7 +16,7 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.compile_guard import compile_count, no_compiles
 
-SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=24, max_model_len=128)
+SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=20, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,26 @@ def run(engine, requests, abort_at: dict[str, int] | None = None) -> dict:
     return final
 
 
+def assert_same_outputs(a: dict, b: dict) -> None:
+    """Tokens, text, finish and stop reasons and errors identical; log-probabilities to float32
+    rounding. With prefix caching the two modes may find different cached prefixes (a page is
+    published once its tokens are known on the host, a step later when overlapped), and a
+    prefix's K/V computed in another step's program can differ in the last bits."""
+    assert a.keys() == b.keys()
+    for request_id in a:
+        *samples_a, error_a = a[request_id]
+        *samples_b, error_b = b[request_id]
+        assert error_a == error_b and len(samples_a) == len(samples_b), request_id
+        for sa, sb in zip(samples_a, samples_b):
+            assert sa[:4] == sb[:4], request_id
+            if sa[4] is None or sb[4] is None:
+                assert sa[4] is sb[4] is None, request_id
+                continue
+            assert [sorted(d) for d in sa[4]] == [sorted(d) for d in sb[4]], request_id
+            for da, db in zip(sa[4], sb[4]):
+                assert da == pytest.approx(db, abs=1e-5), request_id
+
+
 def assert_idle(engine) -> None:
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.allocator.num_free == engine.allocator.num_usable, "KV pages leaked"
@@ -79,7 +99,7 @@ def test_the_mixed_workload_gives_identical_outputs_with_preemption(engines):
     preemptions = {m: e.scheduler.num_preemptions for m, e in engines.items()}
     workload = mixed_workload(0)
     outputs = {mode: run(engine, workload) for mode, engine in engines.items()}
-    assert outputs[True] == outputs[False]
+    assert_same_outputs(outputs[True], outputs[False])
     for mode, engine in engines.items():
         assert engine.scheduler.num_preemptions > preemptions[mode], f"async={mode}: the pool was meant to preempt"
 
@@ -97,7 +117,7 @@ def test_stop_strings_and_stop_token_ids_give_identical_outputs(engines):
         ("length", "The quick brown fox", greedy(3, ignore_eos=True)),
     ]
     outputs = {mode: run(engine, requests) for mode, engine in engines.items()}
-    assert outputs[True] == outputs[False]
+    assert_same_outputs(outputs[True], outputs[False])
     assert outputs[True]["stop-str"][0][2:4] == ("stop", middle)
     assert outputs[True]["stop-id"][0][2:4] == ("stop", tokens[5])
     assert len(outputs[True]["stop-id"][0][0]) <= 6
@@ -112,7 +132,7 @@ def test_a_sequence_that_stops_computes_one_discarded_token(engines):
     requests = [("stops", [5, 6, 7, 8], greedy(12, stop_token_ids=[tokens[4]], ignore_eos=True)),
                 ("goes-on", [9, 10, 11], greedy(12, ignore_eos=True))]
     outputs = {mode: run(engine, requests) for mode, engine in engines.items()}
-    assert outputs[True] == outputs[False]
+    assert_same_outputs(outputs[True], outputs[False])
     assert outputs[True]["stops"][0][0] == tokens[:5]
     assert engines[False].scheduler.num_discarded_tokens == discarded[False]
     assert engines[True].scheduler.num_discarded_tokens == discarded[True] + 1
@@ -124,7 +144,7 @@ def test_length_limits_compute_no_extra_token(engines):
     discarded = engines[True].scheduler.num_discarded_tokens
     requests = [(f"len-{i}", [3 + i] * (4 + i), greedy(2 + i, ignore_eos=True)) for i in range(5)]
     outputs = {mode: run(engine, requests) for mode, engine in engines.items()}
-    assert outputs[True] == outputs[False]
+    assert_same_outputs(outputs[True], outputs[False])
     assert engines[True].scheduler.num_discarded_tokens == discarded
 
 

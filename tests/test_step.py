@@ -22,8 +22,10 @@ MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_la
 
 
 def make_scheduler(**settings) -> Scheduler:
+    """The prompts below overlap (range(3, ...)): prefix caching is off, so each step computes
+    what the cases say (the scheduler's own tests cover caching)."""
     config = EngineConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4, "num_pages": 32,
-                             "max_model_len": 64, **settings}).resolve(MODEL)
+                             "max_model_len": 64, "enable_prefix_caching": False, **settings}).resolve(MODEL)
     return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
 
 
