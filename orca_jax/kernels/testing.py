@@ -157,6 +157,15 @@ def all_padding_metadata(num_tokens: int, num_seq_slots: int, page_size: int) ->
         cu_q_lens=np.zeros(num_seq_slots + 1, np.int32), num_seqs=np.zeros(1, np.int32))
 
 
+def all_padding_inputs(num_tokens: int = 8, num_seq_slots: int = 4, num_heads: int = 4, head_dim: int = 64,
+                       page_size: int = 16):
+    """(q, kv_pages, metadata) of a warm-up batch: every token padding and every cache slot
+    NaN (2 KV heads), so an implementation that reads any slot shows NaN."""
+    q = np.random.default_rng(0).standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+    kv_pages = np.full((3, page_size, 4, head_dim), np.nan, np.float32)
+    return q, kv_pages, all_padding_metadata(num_tokens, num_seq_slots, page_size)
+
+
 def build_batch_padding_case() -> Case:
     """Padding as build_batch writes it: rows past num_seqs have kv_len 0 and page 0 only,
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention_cpu as cpu
-from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_metadata, assert_matches_oracle,
+from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_inputs, assert_matches_oracle,
                                      build_batch_padding_case, make_case, random_mix)
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
@@ -107,10 +107,7 @@ def test_padding_rows_as_build_batch_writes_them():
 
 def test_all_padding_batch_is_zero():
     """A warm-up batch: num_seqs = 0, every token padding, every cache slot NaN."""
-    T, S, heads, head_dim, page_size = 8, 4, 4, 64, 16
-    q = np.random.default_rng(0).standard_normal((T, heads, head_dim)).astype(np.float32)
-    kv_pages = np.full((3, page_size, 4, head_dim), np.nan, np.float32)
-    out = cpu.ragged_paged_attention(q, kv_pages, all_padding_metadata(T, S, page_size), sm_scale=0.125)
+    out = cpu.ragged_paged_attention(*all_padding_inputs(), sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 

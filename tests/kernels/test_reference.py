@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention, write_kv
-from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_metadata, assert_matches_oracle,
-                                     build_batch_padding_case, make_case)
+from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_inputs, all_padding_metadata,
+                                     assert_matches_oracle, build_batch_padding_case, make_case)
 
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
 
@@ -90,11 +90,7 @@ def test_padding_rows_as_build_batch_writes_them():
 
 def test_all_padding_batch_is_zero():
     """A warm-up batch: num_seqs = 0, every token is padding, every cache slot NaN."""
-    T, S, H, D, ps = 8, 4, 4, 64, 16
-    q = np.random.default_rng(0).standard_normal((T, H, D)).astype(np.float32)
-    kv_pages = np.full((3, ps, 4, D), np.nan, np.float32)
-    out = ragged_paged_attention(q, kv_pages, all_padding_metadata(T, S, ps), sm_scale=0.125,
-                                 impl="reference")
+    out = ragged_paged_attention(*all_padding_inputs(), sm_scale=0.125, impl="reference")
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
