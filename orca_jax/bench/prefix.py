@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -155,15 +156,13 @@ def _pair(engines, trace: Trace, label: str, progress) -> dict[str, Any]:
     return runs
 
 
-def overhead_runs(engines, s: PrefixSettings, progress) -> dict[str, Any]:
+def overhead_runs(engines, s: PrefixSettings, special_ids: tuple[int, ...], progress) -> dict[str, Any]:
     """Orca's random trace at t=0, caching on and off by turns: the cost of hashing and lookups
     when nothing is shared. The machine's noise between runs is larger than that cost, so it
     is also measured on the host alone (`scheduler_seconds_per_step`) and set against the
     measured step time."""
-    engine = engines[True]
-    special = tuple(getattr(engine.tokenizer, "all_special_ids", ()) or ())
-    trace = make_trace(s.overhead_requests, s.overhead_scale, s.seed + 1, vocab_size=engine.model_config.vocab_size,
-                       exclude_ids=special)
+    trace = make_trace(s.overhead_requests, s.overhead_scale, s.seed + 1,
+                       vocab_size=engines[True].model_config.vocab_size, exclude_ids=special_ids)
     rates, step_s = {"on": [], "off": []}, []
     for round_ in range(s.overhead_rounds):
         for on in (True, False) if round_ % 2 == 0 else (False, True):
@@ -174,11 +173,11 @@ def overhead_runs(engines, s: PrefixSettings, progress) -> dict[str, Any]:
                      f"{rates['on' if on else 'off'][-1]:.1f} tok/s")
     medians = {k: statistics.median(v) for k, v in rates.items()}
     host = {("on" if on else "off"): scheduler_seconds_per_step(engines[on].config, trace) for on in (True, False)}
-    added = host["on"] - host["off"]
+    median_step_s = statistics.median(step_s)
     return {"trace": trace.describe(), "output_tokens_per_s": rates, "median_output_tokens_per_s": medians,
             "cost_of_caching": 1.0 - medians["on"] / medians["off"],
-            "scheduler_seconds_per_step": host, "median_step_s": statistics.median(step_s),
-            "host_cost_of_caching": added / statistics.median(step_s)}
+            "scheduler_seconds_per_step": host, "median_step_s": median_step_s,
+            "host_cost_of_caching": (host["on"] - host["off"]) / median_step_s}
 
 
 def scheduler_seconds_per_step(config, trace: Trace, repeats: int = 5) -> float:
@@ -186,8 +185,6 @@ def scheduler_seconds_per_step(config, trace: Trace, repeats: int = 5) -> float:
     model that samples token 0 and retires each request at its drawn length: what prefix
     caching adds on the host (hashing pages, lookups, publishing) without the device's noise.
     The best of `repeats` runs."""
-    import time
-
     from orca_jax.kv_cache import PageAllocator
     from orca_jax.sampling_params import SamplingParams
     from orca_jax.scheduler import Scheduler
@@ -231,7 +228,7 @@ def run_prefix(s: PrefixSettings, command: str = "", progress=print) -> dict[str
         record["n_samples"] = {"on" if on else "off": n_samples_run(engines[on], trace.prompts[0], s.n_samples,
                                                                      s.output_len) for on in (True, False)}
     if s.overhead_requests:
-        record["no_sharing"] = overhead_runs(engines, s, progress)
+        record["no_sharing"] = overhead_runs(engines, s, special, progress)
     compiles = [r["xla_compiles_during_run"] for key in ("at_t0", "poisson") if key in record
                 for r in (record[key]["on"], record[key]["off"])]
     record["xla_compiles_during_runs"] = sum(compiles)
