@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import EngineConfig
+from orca_jax.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.scheduler import ScheduledBatch
@@ -46,6 +47,11 @@ class SamplingInputs:
     seeds: np.ndarray  # u32[S]; per-sequence seed
     sample_index: np.ndarray  # i32[S]; which output token this is, folded into the seed
     want_logprobs: np.ndarray  # bool[S]
+    # Constrained decoding (orca_jax.guided_decoding): the rows whose logits the bitmask masks,
+    # and the allowed tokens per row (bit v of word v // 32; all ones for free rows). None in
+    # hand-made sampler inputs: then nothing is masked.
+    guided: np.ndarray | None = None  # bool[S]
+    token_bitmask: np.ndarray | None = None  # i32[S, ceil(V / 32)]
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ def build_batch(config: EngineConfig, scheduled: ScheduledBatch | list, bucket: 
 
 
 def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) -> SamplingInputs:
+    guided, token_bitmask = step_token_bitmask(scheduled, S, config.vocab_size)
     inputs = SamplingInputs(
         temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32),
@@ -141,6 +148,8 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
         seeds=np.zeros(S, np.uint32),
         sample_index=np.zeros(S, np.int32),
         want_logprobs=np.zeros(S, bool),
+        guided=guided,
+        token_bitmask=token_bitmask,
     )
     for row, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
         p = seq.params

@@ -37,6 +37,7 @@ import numpy as np
 
 from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, token_bucket
 from orca_jax.config import EngineConfig
+from orca_jax.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.sampling import TokenCounts
@@ -46,6 +47,7 @@ from orca_jax.scheduler import ScheduledBatch
 ROW_SAMPLES = 1  # the row reaches its sequence's end: its sampled token is kept in last_token
 ROW_JOINS = 2  # the slot is new to the row's sequence: its device rows start from empty
 ROW_LOGPROBS = 4  # the row asks for top log-probabilities
+ROW_GUIDED = 8  # the row samples under a grammar: token_bitmask masks its logits
 # Columns of StepInputs.sampling.
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 
@@ -74,6 +76,10 @@ class StepInputs:
     sampling: np.ndarray  # f32[S, 6]: temperature, top_p, min_p, presence, frequency, repetition
     page_writes: np.ndarray  # i32[C, 2]: (slot * P + column, page); padding writes the sink's column 0
     num_seqs: np.ndarray  # i32[1]
+    # i32[S, ceil(V / 32)]: allowed next tokens of ROW_GUIDED rows (all ones elsewhere). The
+    # runner sends it only when a row is guided; otherwise a device-resident all-ones array
+    # of the bucket's shape stands in (orca_jax.runner).
+    token_bitmask: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -183,7 +189,9 @@ class BatchState:
         row_slot[:n] = slots
         row_start, row_len = _padded(starts, S), _padded(lens, S)
         row_prompt_len = _padded(self.prompt_len[slots], S)
-        flags = (samples * ROW_SAMPLES + joins[:n] * ROW_JOINS + self.want_logprobs[slots] * ROW_LOGPROBS)
+        guided, token_bitmask = step_token_bitmask(scheduled, S, self.config.vocab_size)
+        flags = (samples * ROW_SAMPLES + joins[:n] * ROW_JOINS + self.want_logprobs[slots] * ROW_LOGPROBS
+                 + guided[:n] * ROW_GUIDED)
         row_flags = _padded(flags.astype(np.int32), S)
 
         input_ids = np.zeros(T, np.int32)
@@ -215,6 +223,7 @@ class BatchState:
             sampling=sampling,
             page_writes=self._page_writes(seqs, slots, starts + lens, page_write_capacity(self.config, T)),
             num_seqs=np.array([n], np.int32),
+            token_bitmask=token_bitmask,
         )
 
     def _page_writes(self, seqs, slots: np.ndarray, ends: np.ndarray, capacity: int) -> np.ndarray:
@@ -318,6 +327,7 @@ def sampling_inputs(inputs: StepInputs) -> SamplingInputs:
         presence_penalty=s[:, PRESENCE], frequency_penalty=s[:, FREQUENCY], repetition_penalty=s[:, REPETITION],
         seeds=inputs.seeds, sample_index=inputs.sample_index,
         want_logprobs=(inputs.row_flags & ROW_LOGPROBS) != 0,
+        guided=(inputs.row_flags & ROW_GUIDED) != 0, token_bitmask=inputs.token_bitmask,
     )
 
 

@@ -122,7 +122,7 @@ def _engine_config(args) -> EngineConfig:
 
 def cmd_generate(args) -> int:
     from orca_jax.engine import LLMEngine
-    from orca_jax.llm import apply_chat_template
+    from orca_jax.chat_template import apply_chat_template
 
     # One prompt uses few buckets: compile them as they come rather than all up front.
     engine = LLMEngine(_engine_config(args), warmup=False)
@@ -180,6 +180,7 @@ def cmd_serve(args) -> int:
     gc.freeze()
     settings = ServerSettings(
         model_name=_served_model_name(args, config), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
     logger.info("serving %r at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)",
                 settings.model_name, args.host, args.port)
@@ -203,6 +204,7 @@ def cmd_convert(args) -> int:
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from orca_jax.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+    from orca_jax.tool_parsers import TOOL_PARSERS
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
@@ -215,6 +217,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="queued requests before new ones get 503 with Retry-After")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read out of the reply: hermes (<tool_call>{json}</tool_call>: "
+                             "Qwen2.5/Qwen3, Hermes, ...) or llama3_json (Llama 3.1+)")
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                         help="seconds to wait for open connections at shutdown")
     # Multi-host (jax.distributed): process 0 serves HTTP and schedules, the others follow.

@@ -132,6 +132,9 @@ class EngineConfig:
     model_cache_dir: str | None = field(default_factory=default_model_cache_dir)
     # Filled in from the model once it is loaded (see `resolve`).
     token_buckets: tuple[int, ...] = field(default=(), compare=False)
+    # The model's vocabulary (the logits' width), from `resolve`: the width of each step's
+    # token bitmask (constrained decoding).
+    vocab_size: int = field(default=0, compare=False)
     # True when `resolve` took max_model_len from the model, so the KV pool may lower it.
     max_model_len_from_model: bool = field(default=False, compare=False)
 
@@ -177,7 +180,7 @@ class EngineConfig:
         )
         from_model = self.max_model_len is None or self.max_model_len_from_model
         return dataclasses.replace(self, max_model_len=max_len, token_buckets=buckets,
-                                   max_model_len_from_model=from_model)
+                                   max_model_len_from_model=from_model, vocab_size=model_config.vocab_size)
 
     def fit_kv_pool(self, num_pages: int) -> "EngineConfig":
         """The settings for a KV pool of `num_pages`: the model's context length, lowered (to

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
 import numpy as np
@@ -37,6 +38,7 @@ from orca_jax.config import EngineConfig
 from orca_jax.dtype_policy import resolve_model_dtype
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
+from orca_jax.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
@@ -51,6 +53,10 @@ from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, c
 from orca_jax.step_timing import StepTimeline
 
 logger = logging.getLogger(__name__)
+
+# How long an engine with nothing to run but grammars compiling waits for one before its step
+# returns (so a caller's loop neither spins nor misses new requests for long).
+GRAMMAR_WAIT_S = 0.05
 
 # Seed offset between the n samples of one seeded request: 2**32 / golden ratio, odd, so the
 # n seeds are distinct mod 2**32 and spread over its range rather than adjacent.
@@ -119,6 +125,10 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
+        # Constrained decoding: grammars compile on the compiler's thread; requests wait for
+        # theirs in _awaiting_grammar, and their sequences are not admitted until it is ready.
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._awaiting_grammar: list[tuple[Request, Future]] = []
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
@@ -189,8 +199,13 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}",
                                "logprobs")
+        if params.structured_outputs is not None:
+            self.grammars.validate(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0) for i in range(params.n)]
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.guided = GuidedState()
         self._validate_lengths(seqs[0])
         detoks = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
@@ -206,6 +221,8 @@ class LLMEngine:
             seq.seed = self._sample_seed(request.params, seq.index)
             seq.arrival_time = request.arrival_time
             self.scheduler.add(seq)
+        if request.params.structured_outputs is not None:
+            self._awaiting_grammar.append((request, self.grammars.compile(request.params.structured_outputs)))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -273,7 +290,15 @@ class LLMEngine:
         touched = {r.request_id: r for r in self._finished_outside_step}
         self._finished_outside_step.clear()
         self.last_step = None  # set again only if a step completes
+        self._start_compiled_grammars(touched)
+        if self.scheduler.num_guided_running:
+            # A grammar's mask needs the token before it on the host: steps in flight complete
+            # first, so while a constrained sequence runs, steps run one at a time.
+            while self._in_flight:
+                self._complete(self._in_flight.popleft(), touched)
         dispatched = self._dispatch(touched)
+        if not dispatched and not self._in_flight and self._awaiting_grammar:
+            wait([future for _, future in self._awaiting_grammar], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         in_flight_wanted = 1 if self.config.async_scheduling else 0
         # With nothing new to dispatch, whatever is in flight completes now; and once no
         # request is left, so does the step that only computed discarded tokens, so that an
@@ -289,6 +314,28 @@ class LLMEngine:
         if self.last_step is not None and self._completed_timing is not None:
             self._completed_timing.outputs_s += time.perf_counter() - started
         return outputs
+
+    def _start_compiled_grammars(self, touched: dict[str, Request]) -> None:
+        """Give the sequences whose grammar has compiled their matchers (they can be admitted
+        from now on); fail, alone, a request whose grammar did not compile."""
+        still_waiting = []
+        for request, future in self._awaiting_grammar:
+            if request.finished:  # aborted while it waited
+                continue
+            if not future.done():
+                still_waiting.append((request, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                logger.error("request %s: grammar compile failed: %s", request.request_id, error)
+                request.error = f"structured output grammar: {error}"
+                for seq in request.seqs:
+                    self.scheduler.finish(seq, "abort")
+                touched[request.request_id] = request
+                continue
+            for seq in request.seqs:
+                self.grammars.start(seq.guided, future.result())
+        self._awaiting_grammar = still_waiting
 
     def _dispatch(self, touched: dict[str, Request]) -> bool:
         """Schedule and dispatch the next step. False when nothing could be dispatched."""
@@ -355,7 +402,20 @@ class LLMEngine:
             if stop_str is not None:
                 stops[i] = ("stop", stop_str)
         self._detokenize_s += time.perf_counter() - started
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if seq.guided is not None and stops[i] is None:
+                stops[i] = self._advance_grammar(seq, token)
         return stops
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int):
+        """Feed a constrained sequence's new token to its matcher: it stops once the grammar
+        is complete (nothing but the end can follow), without spending a step on EOS."""
+        if not seq.guided.accept(token):  # the step's mask forbids this: a bug, not the request's fault
+            logger.error("sequence %d: token %d refused by its grammar (%s); stopping it", seq.seq_id, token,
+                         seq.guided.error.split("\n")[0])
+            return ("stop", None)
+        return ("stop", None) if seq.guided.finished else None
 
     def _record_new_tokens(self, result: StepResult) -> list[Request]:
         """First-token times and log-probabilities of the sequences that got a token; the
@@ -412,7 +472,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the other processes of a multi-host run (they leave their step loop and
-        exit). Idempotent; nothing to do on one process."""
+        exit), and stop the grammar compiler's thread. Idempotent."""
+        self.grammars.shutdown()
         if self.channel is not None:
             self.channel.send_stop()
 

@@ -14,13 +14,16 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from orca_jax.chat_template import apply_chat_template
 from orca_jax.config import EngineConfig
 from orca_jax.engine import LLMEngine
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Conversation = list[dict[str, str]]
+Conversation = list[dict]
+
+__all__ = ["LLM", "apply_chat_template"]
 
 
 class LLM:
@@ -66,14 +69,17 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with the OpenAI-style `tools`
+        it may call, if any), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt, tools)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""
@@ -97,16 +103,6 @@ class LLM:
                                         refresh=False)
         bar.close()
         return [finished[r] for r in request_ids]
-
-
-def apply_chat_template(tokenizer, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-    """Prompt token ids of a conversation under the tokenizer's chat template (shared by
-    LLM.chat, the CLI and the server)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-    # The template writes its own special tokens: do not add a second BOS.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

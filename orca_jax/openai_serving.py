@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from orca_jax.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
                                    RequestStream)
 from orca_jax.errors import RequestError
-from orca_jax.llm import apply_chat_template
+from orca_jax.chat_template import apply_chat_template
+from orca_jax.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
                                bad_request, request_error_to_openai)
@@ -82,8 +83,11 @@ class EventStream:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
-                 on_reject: Callable[[str], None] | None = None):
+                 on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None):
         self.engine = engine
+        # The --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses
+        # the reply with it (orca_jax.chat_tools).
+        self.auto_tool_parser = auto_tool_parser
         # The engine thread uses the engine's own tokenizer; this one belongs to the event loop
         # (templates, echo, logprob token strings), so no tokenizer is shared between threads.
         self.tokenizer = tokenizer
@@ -96,6 +100,7 @@ class OpenAIServing:
         self._check_model(request)
         names: Names = {}
         params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream)
+        params = _constrained(params, request, names)
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
             self._check_room(len(ids), params.max_tokens, "max_tokens")
@@ -186,7 +191,11 @@ class OpenAIServing:
     # ---- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest, wait_for_disconnect: WaitForDisconnect):
         self._check_model(request)
-        prompt_ids = self._chat_prompt(request)
+        try:
+            plan = plan_tools(request, self.auto_tool_parser)
+        except RequestError as exc:
+            raise request_error_to_openai(exc) from None
+        prompt_ids = self._chat_prompt(request, plan)
         names = dict(_CHAT_NAMES)
         if request.max_tokens_field != "max_tokens":
             names["max_tokens"] = ClientName(request.max_tokens_field, f"{request.max_tokens_field} is max_tokens")
@@ -196,34 +205,33 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = max(1, self._room(len(prompt_ids)))
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
+        params = _constrained(params, request, names, plan)
         self._check_room(len(prompt_ids), params.max_tokens, request.max_tokens_field)
         submitted = await self._submit("chatcmpl", [prompt_ids], params, names)
         submitted.prompt_texts = [""]
         if request.stream:
-            return EventStream(self._chat_chunks(request, submitted, wait_for_disconnect), submitted.abort_all)
+            return EventStream(self._chat_chunks(request, plan, submitted, wait_for_disconnect), submitted.abort_all)
         (output,) = await _collect(submitted, wait_for_disconnect)
-        echo = request.echo_text
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": echo + c.text},
+            **chat_message(request.echo_text + c.text, c.finish_reason, plan),
             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, request) if request.logprobs else None,
-            "finish_reason": c.finish_reason,
         } for c in output.outputs]
         return {
             "id": submitted.request_id, "object": "chat.completion", "created": submitted.created,
             "model": self.model_name, "choices": choices, "usage": _usage(submitted),
         }
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
         try:
-            return apply_chat_template(self.tokenizer, conversation)
+            return apply_chat_template(self.tokenizer, conversation, tools=plan.tools, call_format=plan.call_format)
         except ValueError as exc:  # no template
             raise bad_request(str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - the template itself refused the conversation
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
-    async def _chat_chunks(self, request: ChatCompletionRequest, submitted: _Submitted,
+    async def _chat_chunks(self, request: ChatCompletionRequest, plan: ToolPlan, submitted: _Submitted,
                            wait_for_disconnect: WaitForDisconnect) -> AsyncIterator[str]:
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = {"id": submitted.request_id, "object": "chat.completion.chunk", "created": submitted.created,
@@ -239,6 +247,10 @@ class OpenAIServing:
             if echo:
                 yield chunk([{"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}])
         finished: set[int] = set()
+        # With tool calls to parse, each choice's text so far goes through its streamer, which
+        # says what to send (content, a call's header, argument fragments).
+        streams = {i: StreamedChoice(plan.parser, echo) for i in range(request.n)} \
+            if plan.parses_tool_calls else {}
         async for _, output in _stream_outputs(submitted, wait_for_disconnect):
             if isinstance(output, OpenAIError):
                 yield _sse(output.body())
@@ -247,15 +259,23 @@ class OpenAIServing:
                 if c.index in finished:
                     continue
                 new_ids = c.delta_token_ids
-                if c.delta_text or (new_ids and request.logprobs):
+                logprobs = None
+                if request.logprobs and new_ids:
+                    logprobs = self._chat_logprobs(new_ids, _delta_logprobs(c), request)
+                if c.index in streams:
+                    deltas = streams[c.index].update(c.delta_text, c.finish_reason is not None)
+                else:
+                    deltas = [{"content": c.delta_text}] if c.delta_text else []
+                if logprobs is not None and not deltas:
+                    deltas = [{"content": ""}]
+                for delta in deltas:
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
                     logprobs = None
-                    if request.logprobs:
-                        logprobs = self._chat_logprobs(new_ids, _delta_logprobs(c), request)
-                    yield chunk([{"index": c.index, "delta": {"content": c.delta_text},
-                                  "logprobs": logprobs, "finish_reason": None}])
                 if c.finish_reason is not None:
                     finished.add(c.index)
-                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}])
+                    called = c.index in streams and streams[c.index].streamer.has_tool_calls
+                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": finish_reason(c.finish_reason, called)}])
         else:
             if request.include_usage_in_stream:
                 yield chunk([], _usage(submitted))
@@ -327,6 +347,26 @@ def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | 
     except RequestError as exc:
         raise request_error_to_openai(exc, names) from None
     return dataclasses.replace(params, output_kind="delta" if stream else "final_only")
+
+
+def _constrained(params: SamplingParams, request: SamplingRequest, names: Names,
+                 plan: ToolPlan = NO_TOOLS) -> SamplingParams:
+    """The params with the request's output constraint (response_format, structured_outputs,
+    guided_*, or the grammar tool_choice forces); errors about it name the client's field."""
+    try:
+        constraint, field = request.structured_outputs_params()
+    except RequestError as exc:
+        raise request_error_to_openai(exc) from None
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise bad_request(f"{field} cannot be combined with tool_choice 'required' or a named function, which "
+                              "constrain the reply themselves", field)
+        constraint, field = plan.constraint, "tool_choice"
+    if constraint is None:
+        return params
+    if field != "structured_outputs":
+        names[constraint.field] = ClientName(field, f"{field} is the output constraint")
+    return dataclasses.replace(params, structured_outputs=constraint)
 
 
 def _delta_logprobs(completion: CompletionOutput) -> list[dict[int, float]]:

@@ -4,7 +4,14 @@ Request models are strict (a string is not a number, a float is not an integer) 
 wrongly typed field is a 400 that names it, not a silent coercion. Unknown fields are ignored,
 as OpenAI and vLLM do, because clients send fields this server has no use for (`user`,
 `metadata`, ...); fields that would change the answer and that the engine cannot honour
-(`logit_bias`, `suffix`, `tools`, ...) are refused instead of ignored.
+(`logit_bias`, `suffix`, `functions`, ...) are refused instead of ignored.
+
+Structured outputs arrive in any of the spellings clients send (OpenAI's `response_format`,
+vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`); `SamplingRequest.structured_outputs_params` turns whichever one is set into
+one StructuredOutputsParams and remembers the field it came from, so an error about the schema
+names the field the client wrote. Tools (`tools`, `tool_choice`, assistant `tool_calls`,
+`tool` messages) are checked here too; orca_jax/chat_tools.py gives them their meaning.
 
 vLLM's extensions that map onto SamplingParams are accepted too (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`); the
@@ -20,6 +27,7 @@ not valid Unicode are refused there, so nothing later recurses into or tokenizes
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.sampling_params import SamplingParams
+from orca_jax.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own limit on choices per request
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -154,6 +163,15 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Structured outputs, in every spelling clients use (at most one per request).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
 
     @field_validator("logit_bias")
     @classmethod
@@ -167,6 +185,70 @@ class SamplingRequest(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
         return self
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, pattern):
+        if pattern:
+            raise RequestError("guided_whitespace_pattern is not supported; use structured_outputs."
+                               "disable_any_whitespace for compact JSON")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_response_format(cls, response_format):
+        if response_format is None:
+            return None
+        kind = response_format.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise RequestError(f"unknown response_format type {kind!r}; expected 'text', 'json_object' or "
+                               "'json_schema'", "type")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict):
+                raise RequestError("a json_schema response_format needs its 'json_schema' object", "json_schema",
+                                   "missing_required_parameter")
+            if not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise RequestError("the json_schema needs a 'name'", "json_schema.name", "missing_required_parameter")
+            if not isinstance(spec.get("schema", {}), dict):
+                raise RequestError("the schema must be a JSON object", "json_schema.schema")
+            if not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise RequestError("strict must be true or false", "json_schema.strict")
+        return response_format
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field it was given in (None, None: none).
+        Raises RequestError naming the field when more than one is given or one is malformed."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.get("type") == "json_schema":
+            spec = rf["json_schema"]
+            # OpenAI's strict mode: the schema's properties are the only keys.
+            given.append(("response_format.json_schema.schema",
+                          {"json": spec.get("schema", {"type": "object"}),
+                           "disable_additional_properties": bool(spec.get("strict"))}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for legacy, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, legacy) is not None:
+                given.append((legacy, {key: getattr(self, legacy)}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise RequestError("give one output constraint, not several: " + ", ".join(f for f, _ in given),
+                               given[1][0])
+        field, spec = given[0]
+        try:
+            return StructuredOutputsParams(**spec), field
+        except TypeError as exc:  # an unknown key in a structured_outputs object
+            raise RequestError(f"unknown structured_outputs field: {exc}", field) from None
+        except RequestError as exc:
+            # Name the client's field: structured_outputs.<key> stays, a shorthand names itself.
+            param = exc.param if field == "structured_outputs" else field
+            raise RequestError(exc.message, param, exc.code) from None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -251,16 +333,33 @@ class ContentPart(StrictModel):
         return self
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A tool call the assistant made, in a message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
         # OpenAI lets only an assistant message go without content (it may carry tool calls).
         if self.role != "assistant" and (self.content is None or self.content == []):
             raise RequestError(f"a {self.role!r} message needs content", "content", "missing_required_parameter")
+        if self.tool_calls and self.role != "assistant":
+            raise RequestError("only an assistant message can carry tool_calls", "tool_calls")
         return self
 
     @property
@@ -270,8 +369,60 @@ class ChatMessage(StrictModel):
             return "".join(part.text for part in content)
         return content or ""
 
-    def as_template_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.text}
+    def as_template_dict(self) -> dict:
+        """The message as chat templates read it: tool-call arguments as objects (templates
+        render them with `tojson`), and a tool message's call id."""
+        message: dict = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments_object(arguments: str):
+    """A call's JSON arguments as an object when they parse as one, else the text as sent."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+# OpenAI's rule for function names.
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionDefinition(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _named_with_object_parameters(self):
+        if not self.name:
+            raise RequestError("a tool needs a function name", "name", "missing_required_parameter")
+        if not _FUNCTION_NAME.match(self.name):
+            raise RequestError(f"function name {self.name!r} must be 1-64 letters, digits, '_' or '-'", "name")
+        if self.parameters is not None and not isinstance(self.parameters, dict):
+            raise RequestError("parameters must be a JSON schema object", "parameters")
+        return self
+
+
+class Tool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_template_dict(self) -> dict:
+        function = {"name": self.function.name, "description": self.function.description or "",
+                    "parameters": self.function.parameters or {"type": "object", "properties": {}}}
+        return {"type": "function", "function": function}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -283,32 +434,62 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's extension: the reply starts with the last message's content when that message
     # is the assistant's own (a continued reply).
     echo: bool = False
-    tools: list | None = None
-    functions: list | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
+    functions: list | None = None
+    function_call: str | dict | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, tools):
-        if tools:
-            raise RequestError("tool and function calling are not supported by this server")
+    def _no_functions(cls, value):
+        if value:
+            raise RequestError("the deprecated functions / function_call fields are not supported; send tools "
+                               "and tool_choice")
         return None
 
-    @field_validator("response_format")
+    @field_validator("tools")
     @classmethod
-    def _text_only(cls, response_format):
-        if response_format and response_format.get("type") != "text":
-            raise RequestError("only response_format {'type': 'text'} is supported")
-        return response_format
+    def _distinct_tool_names(cls, tools):
+        names = [t.function.name for t in tools or []]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise RequestError(f"tool names must be distinct; repeated: {', '.join(duplicated)}")
+        return tools or None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool_choice(cls, choice):
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if choice.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"),
+                                                                                             str):
+                return choice
+            raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+        raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
 
     @model_validator(mode="after")
     def _fields_that_need_others(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tool_choice is not None:  # non-empty tools were refused above
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise RequestError("tool_choice is only allowed when tools are specified", "tool_choice")
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            if name not in {t.function.name for t in self.tools}:
+                raise RequestError(f"tool_choice names the function {name!r}, which is not in tools",
+                                   "tool_choice")
         return self
+
+    @property
+    def named_tool(self) -> Tool | None:
+        """The tool a named tool_choice forces, if any."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        name = self.tool_choice["function"]["name"]
+        return next(t for t in self.tools if t.function.name == name)
 
     @property
     def max_tokens_field(self) -> str:

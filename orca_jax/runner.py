@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from orca_jax import checkpoint, parallel
-from orca_jax.batch_state import (BatchState, StepInputs, create_device_state, create_token_counts,
+from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
@@ -163,6 +163,9 @@ class ModelRunner:
         self.last_h2d_arrays = 0
         self.last_bucket = 0
         self._programs: dict[int, jax.stages.Compiled] = {}
+        # Per token bucket, the all-ones token bitmask on the device: a step with no guided
+        # row sends it no bitmask (S x V/32 words, 196 KB at S = 32 and V = 49152).
+        self._free_bitmasks: dict[int, jax.Array] = {}
         self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
 
     def _place_params(self, params, model_config: ModelConfig, tp: int):
@@ -247,7 +250,9 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> PendingStep:
         """Enqueue one step of this process's part (followers call this directly)."""
         program = self._program(inputs)
-        leaves = jax.tree.leaves(inputs)
+        if not (inputs.row_flags & ROW_GUIDED).any():
+            inputs = dataclasses.replace(inputs, token_bitmask=self._free_bitmask(inputs))
+        leaves = [leaf for leaf in jax.tree.leaves(inputs) if isinstance(leaf, np.ndarray)]
         self.last_h2d_bytes, self.last_h2d_arrays = sum(leaf.nbytes for leaf in leaves), len(leaves)
         self.last_bucket = inputs.num_tokens
         # One device: numpy goes straight in. Mesh: a replicated global array per field (built
@@ -255,6 +260,17 @@ class ModelRunner:
         device_inputs = inputs if self.mesh is None else self._put(inputs)
         self.kv_cache, self.state, out = program(self.params, self.kv_cache, self.state, device_inputs)
         return PendingStep(out)
+
+
+    def _free_bitmask(self, inputs: StepInputs) -> jax.Array:
+        """The bucket's all-ones token bitmask, placed on the device(s) once. device_put, not
+        jnp.asarray: the latter runs a copy program, a compile while serving."""
+        bucket = inputs.num_tokens
+        if bucket not in self._free_bitmasks:
+            mask = np.array(inputs.token_bitmask)
+            placed = jax.device_put(mask) if self.mesh is None else parallel.put_replicated(mask, self.mesh)
+            self._free_bitmasks[bucket] = placed
+        return self._free_bitmasks[bucket]
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Token sampling inside the jitted step, one row per sequence, at the cost each row asks for.
 
-Order of operations (as in vLLM): penalties, then greedy argmax or temperature, top-k / top-p /
+Order of operations (as in vLLM): penalties, the grammar's bitmask, then greedy argmax or temperature, top-k / top-p /
 min-p truncation and a draw. Every optional piece sits behind a `lax.cond` on whether any row
 asks for it, so one compiled program serves every mix:
 
@@ -8,6 +8,7 @@ asks for it, so one compiled program serves every mix:
     all greedy                  a max and a first-index-of-max: two vectorised reductions
     any temperature > 0         one exp pass over [S, V] and a blocked inverse-CDF draw
     any min-p                   + a max
+    any guided row              + the rows' grammar bitmask unpacked and applied (a where)
     any top-k / top-p           + a top-256 candidate search, row by row or for the batch
                                   (an exact bisection for a row whose kept set is larger);
                                   never a sort
@@ -81,6 +82,9 @@ def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts:
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
     logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, raw_logits, inputs, counts)
+    if inputs.token_bitmask is not None:
+        logits = jax.lax.cond(jnp.any(inputs.guided), apply_token_bitmask, lambda l, *_: l, logits,
+                              inputs.token_bitmask, inputs.guided)
     tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
     k = max(1, max_logprobs)
     token_logprobs, top_logprobs, top_ids = jax.lax.cond(
@@ -96,6 +100,17 @@ def greedy(logits: jax.Array) -> jax.Array:
     row_max = logits.max(axis=-1, keepdims=True)
     minus_index = jnp.where(logits == row_max, -jnp.arange(V, dtype=jnp.float32), -jnp.inf)
     return jnp.clip(-minus_index.max(axis=-1), 0, V - 1).astype(jnp.int32)  # clip: a NaN row
+
+
+def apply_token_bitmask(logits: jax.Array, token_bitmask: jax.Array, guided: jax.Array) -> jax.Array:
+    """-inf for every token a guided row's grammar forbids (bit v of word v // 32 clear), the
+    logits unchanged elsewhere. Applied after penalties, so neither can bring a forbidden token
+    back; log-probabilities stay those of the model's raw distribution, as vLLM reports them."""
+    S, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (token_bitmask[:, :, None] >> shifts) & 1  # i32[S, W, 32]; the sign bit shifts in but & 1 drops it
+    allowed = bits.reshape(S, -1)[:, :V] != 0
+    return jnp.where(allowed | ~guided[:, None], logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, inputs: SamplingInputs, counts: TokenCounts) -> jax.Array:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from orca_jax.errors import RequestError
+from orca_jax.structured_outputs import StructuredOutputsParams
 
 # Below this, dividing logits by the temperature overflows float32; vLLM raises smaller
 # temperatures to it too (sampling that cold is greedy in all but name).
@@ -68,6 +69,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    # Constrained decoding (JSON schema, regex, choice, grammar): orca_jax.structured_outputs.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +107,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            ("structured_outputs",
+             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams or None"),
             ("output_kind", isinstance(self.output_kind, str) and self.output_kind in OUTPUT_KINDS,
              f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"),
         ]

@@ -132,6 +132,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that had finished meanwhile
         self.num_schedules = 0
+        # Running sequences under a grammar: while any runs, the engine completes each step
+        # before it dispatches the next (a mask needs the token before it).
+        self.num_guided_running = 0
         # Prefix cache lookups at admission, in tokens (vLLM's queries / hits counters).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -225,16 +228,17 @@ class Scheduler:
             seq.num_published_pages = min(seq.num_published_pages, start // self.allocator.page_size)
 
     def _admit_waiting(self, scheduled: ScheduledBatch, budget: int) -> None:
-        """FCFS admission: the head of the queue goes first, and nothing overtakes it. A
+        """FCFS admission: the head of the queue goes first, and nothing overtakes it, except
+        past a sequence whose grammar is still compiling (it waits, not the queue). A
         preempted sequence whose token is still in flight waits for it (its recompute needs
         every token). With prefix caching a sequence starts after its cached prefix; the pages
         of the cached prefixes one step takes are bounded (`cached_pages_per_step`), and a
         sequence that would pass the bound waits for the next step, unless it is the step's
         first, which then takes the bound's worth."""
         cached_pages_left = self.config.cached_pages_per_step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._next_admissible()
+            if seq is None or seq.num_pending:
                 break
             cached = self._cached_prefix(seq)
             if len(cached) > cached_pages_left:
@@ -251,6 +255,14 @@ class Scheduler:
             self._move_to_running(seq)
             self._grant(scheduled, seq, chunk)
             budget -= chunk
+
+    def _next_admissible(self) -> Sequence | None:
+        """The first waiting sequence that can run: one whose grammar is still compiling
+        keeps its place but lets the others pass."""
+        for seq in self.waiting:
+            if not seq.awaiting_grammar:
+                return seq
+        return None
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _looks_up(self, seq: Sequence) -> bool:
@@ -358,14 +370,17 @@ class Scheduler:
         return scheduled
 
     def _admit_static_batch(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending or not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
+        while len(self.running) < self.config.max_num_seqs:
+            seq = self._next_admissible()
+            if seq is None or seq.num_pending or not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
                 break
             self._move_to_running(seq)
 
     def _move_to_running(self, seq: Sequence) -> None:
-        self.waiting.popleft()
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:  # it passed sequences whose grammars are compiling
+            self.waiting.remove(seq)
         _decrement(self._waiting_requests, seq.request_id)
         seq.status = SequenceStatus.RUNNING
         if seq.num_cached_tokens is None:  # its first admission: the prompt tokens found cached
@@ -374,10 +389,12 @@ class Scheduler:
         seq.slot_joined = True
         self.running.append(seq)
         self._running_requests[seq.request_id] += 1
+        self.num_guided_running += seq.guided is not None
 
     def _leave_running(self, seq: Sequence) -> None:
         self.slots.release(seq.slot)
         seq.slot = None
+        self.num_guided_running -= seq.guided is not None
         _decrement(self._running_requests, seq.request_id)
 
     def max_len(self, seq: Sequence) -> int:

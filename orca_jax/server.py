@@ -38,6 +38,7 @@ from orca_jax.openai_serving import EventStream, OpenAIServing
 from orca_jax.errors import RequestError
 from orca_jax.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request,
                                request_error_to_openai)
+from orca_jax.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,19 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Tool calling (orca_jax.chat_tools): tool_choice "auto" needs both, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, listing the known ones
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 # ---- ASGI guards (before routing, so they also cover bodies FastAPI never reads) ---------------
@@ -122,7 +136,8 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     shuts it down."""
     engine = async_engine.engine
     serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), settings.model_name,
-                            engine.config.max_model_len, on_reject=metrics.reject)
+                            engine.config.max_model_len, on_reject=metrics.reject,
+                            auto_tool_parser=settings.auto_tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -197,7 +197,7 @@ def test_batch_is_a_pytree_of_arrays():
     config = make_config()
     batch = build_batch(config, [(make_seq(0, [1, 2, 3], pages=[1]), 3)])
     leaves = jax.tree.leaves(batch)
-    assert len(leaves) == 8 + 10
+    assert len(leaves) == 8 + 12  # metadata and the rest, sampling inputs (with the guided rows and bitmask)
     assert all(isinstance(x, np.ndarray) for x in leaves)
     rebuilt = jax.tree.unflatten(jax.tree.structure(batch), leaves)
     assert isinstance(rebuilt, Batch)

@@ -136,3 +136,17 @@ def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, 
     assert cli.main(["convert", "/models/llama", out]) == 0
     assert calls == [(None, out, "bfloat16", 2), ("/models/llama", out, "float32", 1)]
     assert f"use it as --model {out}" in capsys.readouterr().out
+
+
+def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
+    from orca_jax import server
+
+    args = cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    settings = server.ServerSettings("m", enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    assert settings.auto_tool_parser == "llama3_json"
+    assert server.ServerSettings("m", tool_call_parser="hermes").auto_tool_parser is None  # auto off
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        server.ServerSettings("m", enable_auto_tool_choice=True)
+    with pytest.raises(SystemExit):  # an unknown parser is refused by argparse, listing the known ones
+        cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -183,3 +184,26 @@ def test_a_repeated_prompt_reports_its_cached_tokens_until_the_cache_is_reset(ll
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.reset_prefix_cache() is True
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_generate_with_structured_outputs_and_chat_with_tools(llm):
+    from orca_jax import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=1,
+                             structured_outputs=StructuredOutputsParams(choice=["left", "right"]))]
+    json_out, choice_out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert json.loads(json_out.text)["n"] in range(10) and json_out.finish_reason == "stop"
+    assert choice_out.text in ("left", "right")
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "1 + 2?"}]
+    with_tools = llm.apply_chat_template(conversation, tools=tools)
+    text = llm.get_tokenizer().decode(with_tools)
+    assert text.startswith("<s>system: You can call these functions:") and '"name": "add"' in text
+    [out] = llm.chat(conversation, greedy(4), use_tqdm=False, tools=tools)
+    assert out.prompt_token_ids == with_tools
+    assert_idle(llm)

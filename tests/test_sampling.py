@@ -7,6 +7,7 @@ before it stopped sorting, and the draws against the exact distribution.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 from orca_jax.batch import SamplingInputs
-from orca_jax.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, greedy, inverse_cdf, sample,
-                                truncates, truncation_cutoffs)
+from orca_jax.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, apply_token_bitmask, greedy,
+                                inverse_cdf, sample, truncates, truncation_cutoffs)
 
 MAX_LOGPROBS = 5
 sample_jit = jax.jit(sample, static_argnames=("max_logprobs",))
@@ -534,3 +535,78 @@ def test_no_logprob_work_without_a_row_asking():
     out = run(logits, make_inputs(S, temperature=[0.0, 1.0, 0.0, 0.5], seeds=np.arange(S)))
     assert out.logprobs.shape == (S,) and out.top_ids.shape == (S, MAX_LOGPROBS)
     assert not out.logprobs.any() and not out.top_logprobs.any() and not out.top_ids.any()
+
+
+# --------------------------------------------------------------------------------------------
+# Constrained decoding: the grammar's token bitmask
+# --------------------------------------------------------------------------------------------
+
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """bool[S, V] -> i32[S, ceil(V / 32)], bit v % 32 of word v // 32 (llguidance's layout),
+    written independently of the code under test (numpy's packbits)."""
+    S, V = allowed.shape
+    W = -(-V // 32)
+    padded = np.zeros((S, W * 32), bool)
+    padded[:, :V] = allowed
+    return np.packbits(padded.reshape(S, W, 32), axis=-1, bitorder="little").view("<i4").reshape(S, W)
+
+
+def random_allowed(seed, S, V, density=0.1):
+    rng = np.random.default_rng(seed)
+    allowed = rng.random((S, V)) < density
+    allowed[:, rng.integers(0, V, S)] = True  # never an empty row
+    allowed[0, 31] = allowed[0, 63 % V] = True  # bit 31: the sign bit of an int32 word
+    return allowed
+
+
+@pytest.mark.parametrize("V", [100, 128, 4099])
+def test_bitmask_sets_minus_inf_exactly_where_a_guided_row_disallows(V):
+    S = 6
+    logits = random_logits(20, S, V)
+    allowed = random_allowed(21, S, V)
+    guided = np.array([True, True, False, True, False, True])
+    masked = np.asarray(jax.jit(apply_token_bitmask)(logits, pack_bitmask(allowed), guided))
+    expected = np.where(allowed | ~guided[:, None], logits, -np.inf)
+    np.testing.assert_array_equal(masked, expected)  # exact: kept logits untouched, the rest -inf
+
+
+def guided_inputs(S, guided, allowed, **overrides) -> SamplingInputs:
+    inputs = make_inputs(S, **overrides)
+    return dataclasses.replace(inputs, guided=np.asarray(guided), token_bitmask=pack_bitmask(allowed))
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.8), dict(temperature=1.0, top_k=5, top_p=0.9),
+                                    dict(temperature=0.7, min_p=0.05, repetition_penalty=1.3)],
+                         ids=["greedy", "temperature", "top-k-p", "min-p-penalty"])
+def test_guided_rows_sample_as_from_masked_logits_and_free_rows_are_untouched(params):
+    """A guided row draws exactly what it would draw from logits that were -inf outside its
+    allowed set (same seed and index); free rows in the same batch draw what they draw with
+    no mask at all; log-probabilities stay those of the raw logits."""
+    S, V = 8, 700
+    logits = random_logits(30, S, V)
+    allowed = random_allowed(31, S, V, density=0.05)
+    guided = np.array([True, False, True, True, False, True, False, True])
+    seeds = np.arange(S, dtype=np.uint32) * 977 + 5
+    common = dict(seeds=seeds, sample_index=np.arange(S) % 3, want_logprobs=True, **params)
+    counts = make_counts(V, [np.arange(0, V, 7)] * S, [np.arange(3, V, 11)] * S)
+
+    out = run(logits, guided_inputs(S, guided, allowed, **common), counts=counts)
+    pre_masked = np.where(allowed | ~guided[:, None], logits, -np.inf).astype(np.float32)
+    reference = run(pre_masked, make_inputs(S, **common), counts=counts)
+    unmasked = run(logits, make_inputs(S, **common), counts=counts)
+
+    tokens = out.tokens
+    assert allowed[guided, tokens[guided]].all(), "a guided row drew a forbidden token"
+    # Penalties move only allowed logits: -inf stays -inf, so masking before or after is the same.
+    np.testing.assert_array_equal(tokens[guided], reference.tokens[guided])
+    np.testing.assert_array_equal(tokens[~guided], unmasked.tokens[~guided])
+    np.testing.assert_allclose(out.top_logprobs, unmasked.top_logprobs, rtol=1e-6)
+
+
+def test_a_batch_without_guided_rows_ignores_the_bitmask():
+    S, V = 4, 300
+    logits = random_logits(40, S, V)
+    nothing_allowed = np.zeros((S, V), bool)
+    out = run(logits, guided_inputs(S, [False] * S, nothing_allowed, temperature=0.9, seeds=np.arange(S)))
+    plain = run(logits, make_inputs(S, temperature=0.9, seeds=np.arange(S)))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
