@@ -134,10 +134,14 @@ class StreamedChoice:
     def __init__(self, parser: ToolParser, echo: str):
         self.streamer = ToolCallStreamer(parser)
         self.text = echo
-        self.streamer.update(echo, False)  # the echo was sent already, as content
+        # The echo was sent already, as content; anything else its parse gives (a forced call's
+        # announcement) is still to send.
+        echoed = self.streamer.update(echo, False) if echo else []
+        self._unsent = [delta for delta in echoed if "content" not in delta]
 
     def update(self, delta_text: str, final: bool) -> list[dict]:
         self.text += delta_text
-        if not delta_text and not final:
-            return []
-        return self.streamer.update(self.text, final)
+        deltas, self._unsent = self._unsent, []
+        if delta_text or final:
+            deltas += self.streamer.update(self.text, final)
+        return deltas

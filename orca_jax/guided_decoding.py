@@ -76,12 +76,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return llg.grammar_from("grammar", params.grammar)  # Lark or GBNF
 
 
-def checked_grammar_text(params: StructuredOutputsParams) -> str:
-    """The constraint's grammar text, parsed and checked (no tokenizer needed, ~1 ms);
-    RequestError naming the constraint's field if llguidance cannot enforce it."""
+def checked_grammar_text(params: StructuredOutputsParams, llg_tokenizer=None) -> str:
+    """The constraint's grammar text, parsed and checked (~1 ms); RequestError naming the
+    constraint's field if llguidance cannot enforce it. With the vocabulary (`llg_tokenizer`)
+    the check also covers what a grammar says about tokens (ids, special tokens)."""
     try:
         text = grammar_text(params)
-        error = _llguidance().LLMatcher.validate_grammar(text)
+        error = _llguidance().LLMatcher.validate_grammar(text, llg_tokenizer)
     except (ValueError, TypeError, RuntimeError) as exc:
         error = str(exc)
     if error:
@@ -140,7 +141,8 @@ class GrammarCompiler:
         if key in self._texts:
             self._texts.move_to_end(key)
             return self._texts[key]
-        text = checked_grammar_text(params)
+        # The vocabulary only once it is built: building it here would stall the caller's loop.
+        text = checked_grammar_text(params, self._llg_tokenizer)
         _remember(self._texts, key, text)
         return text
 
@@ -163,6 +165,11 @@ class GrammarCompiler:
             raise RequestError(f"the grammar could not be compiled: {_first_lines(matcher.get_error())}")
         matcher.compute_bitmask()  # the first mask builds the lexer's tables, here rather than in a step
         return matcher
+
+    def prepare_in_background(self) -> None:
+        """Build the vocabulary on the compiler's thread now (a server at start), so that the
+        first constrained request neither waits for it nor skips the vocabulary checks."""
+        self._pool.submit(self.llg_tokenizer)
 
     def llg_tokenizer(self):
         """llguidance's view of the vocabulary (built once, ~1 s for 49k tokens)."""

@@ -141,6 +141,7 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        engine.grammars.prepare_in_background()
         async_engine.start(asyncio.get_running_loop())
         try:
             yield

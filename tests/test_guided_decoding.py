@@ -237,3 +237,11 @@ def test_each_constraint_compiles_once(engine):
     same = compiler.compile(Constraint(json=json.dumps({"properties": {"k": {"type": "integer"}}, "type": "object"})))
     assert first is same
     assert compiler.compile(Constraint(json={"type": "object"}, disable_any_whitespace=True)) is not first
+
+
+@pytest.mark.parametrize("grammar", ['start: "a" <[99999]>', 'start: "a" <|no_such_token|>'])
+def test_grammars_naming_tokens_are_checked_against_the_vocabulary_once_it_is_built(engine, grammar):
+    engine.grammars.llg_tokenizer()  # a server builds it at start (prepare_in_background)
+    with pytest.raises(RequestError) as error:
+        engine.add_request("tokens", PROMPTS[0], SamplingParams(structured_outputs=Constraint(grammar=grammar)))
+    assert error.value.param == "structured_outputs.grammar" and not engine.requests

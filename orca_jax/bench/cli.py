@@ -1,4 +1,5 @@
-"""`orca-jax bench orca | offline | serve | simulate | startup | host`: argument parsing and output files.
+"""`orca-jax bench orca | offline | serve | simulate | startup | host | prefix | structured`: argument parsing and
+output files.
 
 Every subcommand prints its table, writes a JSON record (and a figure where there are curves)
 and records the exact command, machine and date inside the JSON.
@@ -449,6 +450,76 @@ def _add_prefix_parser(sub) -> None:
     p.set_defaults(func=cmd_prefix)
 
 
+# ---- bench structured ------------------------------------------------------------------------------
+def cmd_structured(args) -> int:
+    import sys
+
+    from orca_jax.bench.driver import BenchmarkError
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.structured import StructuredSettings, format_report, run_structured
+
+    settings = StructuredSettings(
+        model=args.model, num_seqs=args.num_seqs, fractions=args.fractions, rounds=args.rounds,
+        output_len=args.output_len, prompt_len=args.prompt_len, min_items=args.min_items,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, dtype=args.dtype,
+        seed=args.seed, compile_repeats=args.compile_repeats, sync_baseline=not args.no_sync_baseline,
+        switch_interval_s=args.switch_interval)
+    try:
+        record = run_structured(settings, command_from_args("structured", args),
+                                progress=lambda line: print(line, flush=True))
+    except BenchmarkError as exc:  # a request failed or made the wrong number of tokens
+        print(f"orca-jax bench structured: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(record))
+    write_json(record, args.json)
+    return 0
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """Comma-separated shares in [0, 1], 0 among them (the baseline of the ratios)."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"fractions must be comma-separated numbers, got {text!r}") from None
+    if 0.0 not in values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"fractions must lie in [0, 1] and include 0, got {text!r}")
+    return values
+
+
+def _add_structured_parser(sub) -> None:
+    from orca_jax.bench.structured import StructuredSettings
+
+    d = StructuredSettings()
+    p = sub.add_parser("structured", help="constrained decoding's cost: 0/50/100%% of N sequences under a JSON "
+                                          "schema, by turns; grammar compile times")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--num-seqs", type=_sizes, default=d.num_seqs,
+                   help="batch sizes N, one engine each with max_num_seqs = N (default %s)" % ",".join(map(str, d.num_seqs)))
+    p.add_argument("--fractions", type=_fractions, default=d.fractions,
+                   help="constrained shares of the N requests, 0 included (default %s)" % ",".join(map(str, d.fractions)))
+    p.add_argument("--rounds", type=_positive_int, default=d.rounds,
+                   help=f"rounds of the fractions by turns, medians (default {d.rounds})")
+    p.add_argument("--output-len", type=_positive_int, default=d.output_len,
+                   help=f"output tokens of every request, EOS ignored (default {d.output_len})")
+    p.add_argument("--prompt-len", type=_positive_int, default=d.prompt_len,
+                   help=f"random prompt tokens per request (default {d.prompt_len})")
+    p.add_argument("--min-items", type=_positive_int, default=d.min_items,
+                   help=f"records the schema requires, so it never completes (default {d.min_items})")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens,
+                   help=f"token budget per step, >= every N (default {d.max_num_batched_tokens})")
+    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help=f"tokens per KV page (default {d.page_size})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype, help=f"engine dtype (default {d.dtype})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts and the engine")
+    p.add_argument("--compile-repeats", type=_positive_int, default=d.compile_repeats,
+                   help=f"cold compiles per schema for the compile times, medians (default {d.compile_repeats})")
+    p.add_argument("--no-sync-baseline", action="store_true",
+                   help="skip the 0%% runs on a twin engine with async scheduling off (the worth of the overlap)")
+    p.add_argument("--switch-interval", type=_positive_float, default=d.switch_interval_s,
+                   help=f"sys.setswitchinterval while measuring, seconds (default {d.switch_interval_s:g})")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/structured_cpu.json", help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_structured)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -460,3 +531,4 @@ def add_bench_parser(subparsers) -> None:
     _add_startup_parser(sub)
     _add_host_parser(sub)
     _add_prefix_parser(sub)
+    _add_structured_parser(sub)
