@@ -212,6 +212,7 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
     """StepInputs fields of a step whose first `num_rows` rows are greedy and the rest padding."""
     from orca_jax.batch import token_bucket
     from orca_jax.batch_state import REPETITION, TOP_P, page_write_capacity
+    from orca_jax.guided_decoding import all_allowed_bitmask
     from orca_jax.kv_cache import PADDING_PAGE
 
     T = token_bucket(config, num_tokens)
@@ -227,7 +228,8 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
                 row_len=np.zeros(S, np.int32), row_prompt_len=np.zeros(S, np.int32),
                 row_flags=np.zeros(S, np.int32), sample_index=np.zeros(S, np.int32), top_k=np.zeros(S, np.int32),
                 seeds=np.arange(S, dtype=np.uint32), sampling=sampling, page_writes=page_writes,
-                num_seqs=np.array([num_rows], np.int32))
+                num_seqs=np.array([num_rows], np.int32),
+                token_bitmask=np.array(all_allowed_bitmask(S, config.vocab_size)))  # no constrained row
 
 
 def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int = 0):
