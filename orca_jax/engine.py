@@ -328,14 +328,20 @@ class LLMEngine:
             error = future.exception()
             if error is not None:
                 logger.error("request %s: grammar compile failed: %s", request.request_id, error)
-                request.error = f"structured output grammar: {error}"
-                for seq in request.seqs:
-                    self.scheduler.finish(seq, "abort")
+                self._fail_request(request, f"structured output grammar: {error}")
                 touched[request.request_id] = request
                 continue
             for seq in request.seqs:
                 self.grammars.start(seq.guided, future.result())
         self._awaiting_grammar = still_waiting
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        """End a request that failed inside the engine: its error is reported, its unfinished
+        sequences are aborted (pages and slots freed)."""
+        request.error = error
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def _dispatch(self, touched: dict[str, Request]) -> bool:
         """Schedule and dispatch the next step. False when nothing could be dispatched."""
@@ -451,10 +457,7 @@ class LLMEngine:
         failed = {seq.request_id: self.requests[seq.request_id] for seq in scheduled.seqs
                   if seq.request_id in self.requests}
         for request in failed.values():
-            request.error = str(failure)
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
+            self._fail_request(request, str(failure))
         if self.runner.kv_cache_lost or (failure.dispatched and self._in_flight):
             for dropped in reversed(self._in_flight):
                 self.scheduler.unschedule(dropped.scheduled)

@@ -261,7 +261,6 @@ class ModelRunner:
         self.kv_cache, self.state, out = program(self.params, self.kv_cache, self.state, device_inputs)
         return PendingStep(out)
 
-
     def _free_bitmask(self, inputs: StepInputs) -> jax.Array:
         """The bucket's all-ones token bitmask, placed on the device(s) once. device_put, not
         jnp.asarray: the latter runs a copy program, a compile while serving."""
