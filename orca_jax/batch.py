@@ -55,11 +55,25 @@ class SamplingInputs:
 
 
 @dataclass(frozen=True)
+class VerifyLayout:
+    """Speculative decoding: the step's output positions, L of them (L = EngineConfig.logits_rows).
+    Row r's positions are `offsets[r]` onwards, 1 + (its draft count): logits at its last
+    known token, then at each draft; positions past the real ones are padding."""
+
+    row_of: np.ndarray  # i32[L]: the row (sequence) of each position
+    offsets: np.ndarray  # i32[S]: each row's first position
+    draft_tokens: np.ndarray  # i32[L]: the draft the position's logits verify (the next input token); -1: none
+
+
+@dataclass(frozen=True)
 class Batch:
     input_ids: np.ndarray  # i32[T]
     metadata: AttentionMetadata  # positions, slot mapping, page table, kv/query lengths
-    logits_indices: np.ndarray  # i32[S]: row of each sequence's last scheduled token
-    sampling: SamplingInputs
+    # i32[S] (i32[L] with speculation): token index of each output position, a sequence's last
+    # scheduled token (and with speculation the token before each of its drafts).
+    logits_indices: np.ndarray
+    sampling: SamplingInputs  # per output position
+    verify: VerifyLayout | None = None  # only in steps of an engine that speculates
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +83,8 @@ class Batch:
 jax.tree_util.register_dataclass(
     SamplingInputs, data_fields=[f.name for f in dataclasses.fields(SamplingInputs)], meta_fields=[]
 )
-jax.tree_util.register_dataclass(
-    Batch, data_fields=[f.name for f in dataclasses.fields(Batch)], meta_fields=[]
-)
+for _cls in (Batch, VerifyLayout):
+    jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
 
 
 def token_bucket(config: EngineConfig, num_tokens: int) -> int:

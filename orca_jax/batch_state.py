@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, token_bucket
+from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, VerifyLayout, token_bucket
 from orca_jax.config import EngineConfig
 from orca_jax.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
@@ -76,6 +76,9 @@ class StepInputs:
     sampling: np.ndarray  # f32[S, 6]: temperature, top_p, min_p, presence, frequency, repetition
     page_writes: np.ndarray  # i32[C, 2]: (slot * P + column, page); padding writes the sink's column 0
     num_seqs: np.ndarray  # i32[1]
+    # i32[S]: draft tokens the row verifies (its last row_drafts tokens; speculative decoding).
+    # Each adds an output position after the row's own: logits, a sampled token, log-probs.
+    row_drafts: np.ndarray
     # i32[S, ceil(V / 32)]: allowed next tokens of ROW_GUIDED rows (all ones elsewhere). The
     # runner sends it only when a row is guided; otherwise a device-resident all-ones array
     # of the bucket's shape stands in (orca_jax.runner).
@@ -167,6 +170,7 @@ class BatchState:
         self.pages_on_device[slot] = 0
         self.sampled_last[slot] = False
         seq.slot_joined = False
+        seq.pages_trimmed_to = None
 
     def build(self, scheduled: ScheduledBatch, bucket: int | None = None) -> StepInputs:
         n = len(scheduled)
@@ -178,6 +182,9 @@ class BatchState:
             if seq.slot_joined:
                 joins[row] = True
                 self._join(seq)
+            elif seq.pages_trimmed_to is not None:  # a rejected run gave pages back: resend from there
+                self.pages_on_device[seq.slot] = min(self.pages_on_device[seq.slot], seq.pages_trimmed_to)
+                seq.pages_trimmed_to = None
 
         slots = np.fromiter((s.slot for s in seqs), np.int32, n)
         starts = np.asarray(scheduled.starts, np.int32)
@@ -196,11 +203,16 @@ class BatchState:
 
         input_ids = np.zeros(T, np.int32)
         on_device = self.sampled_last[slots]
-        input_ids[ends[on_device] - 1] = PENDING_TOKEN  # such a row is one token: the pending one
+        num_drafts = np.fromiter((len(d) for d in scheduled.drafts), np.int32, n)
+        # Such a row's first token is the pending one (then only its drafts, if any).
+        input_ids[(ends - lens)[on_device]] = PENDING_TOKEN
         for row in np.flatnonzero(~on_device).tolist():  # prompt chunks and recomputes
-            start = int(starts[row])
-            input_ids[ends[row] - lens[row]:ends[row]] = seqs[row].tokens(start, start + int(lens[row]))
-        assert (lens[on_device] == 1).all(), "a row fed from the device carries one token"
+            start, known = int(starts[row]), int(lens[row] - num_drafts[row])
+            input_ids[ends[row] - lens[row]:ends[row] - lens[row] + known] = seqs[row].tokens(start, start + known)
+        for row in np.flatnonzero(num_drafts).tolist():
+            input_ids[ends[row] - num_drafts[row]:ends[row]] = scheduled.drafts[row]
+        assert (lens[on_device] == 1 + num_drafts[on_device]).all(), \
+            "a row fed from the device carries one token, then its drafts"
         self.sampled_last[slots] = samples
 
         pending = np.fromiter((s.num_pending for s in seqs), np.int32, n)
@@ -224,6 +236,7 @@ class BatchState:
             page_writes=self._page_writes(seqs, slots, starts + lens, page_write_capacity(self.config, T)),
             num_seqs=np.array([n], np.int32),
             token_bitmask=token_bitmask,
+            row_drafts=_padded(num_drafts, S),
         )
 
     def _page_writes(self, seqs, slots: np.ndarray, ends: np.ndarray, capacity: int) -> np.ndarray:
@@ -252,10 +265,12 @@ def _padded(values: np.ndarray, size: int) -> np.ndarray:
 
 
 # ---- on the device ---------------------------------------------------------------------------
-def expand(state: DeviceState, inputs: StepInputs, page_size: int):
+def expand(state: DeviceState, inputs: StepInputs, page_size: int, logits_rows: int | None = None):
     """state + the step's inputs -> (state with this step's joins, pages and fed tokens
     applied, the step's Batch, its TokenCounts, the count of PENDING tokens that found no
-    token, which must be 0). Runs inside the step program."""
+    token, which must be 0). Runs inside the step program. `logits_rows` (speculative
+    decoding, EngineConfig.logits_rows): the Batch has that many output positions, laid out
+    by `verify_layout`; None: one per row."""
     R, P = state.page_table.shape
     T, S = inputs.input_ids.shape[0], inputs.row_slot.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
@@ -294,10 +309,38 @@ def expand(state: DeviceState, inputs: StepInputs, page_size: int):
         cu_q_lens=jnp.concatenate([jnp.zeros(1, jnp.int32), ends]),
         num_seqs=inputs.num_seqs,
     )
-    batch = Batch(input_ids=input_ids, metadata=metadata, logits_indices=jnp.where(real_row, ends - 1, 0),
-                  sampling=sampling_inputs(inputs))
     state = DeviceState(page_table, last_token, output_counts, prompt_seen)
-    return state, batch, TokenCounts(output_counts, prompt_seen, inputs.row_slot), unresolved
+    if logits_rows is None:
+        batch = Batch(input_ids=input_ids, metadata=metadata, logits_indices=jnp.where(real_row, ends - 1, 0),
+                      sampling=sampling_inputs(inputs))
+        return state, batch, TokenCounts(output_counts, prompt_seen, inputs.row_slot), unresolved
+    layout, token_index, draft_index = verify_layout(inputs, input_ids, ends, logits_rows)
+    sampling = jax.tree.map(lambda x: x[layout.row_of], sampling_inputs(inputs))
+    # Position i of a row samples its output token i further on (seeded draws stay per token).
+    sampling = dataclasses.replace(sampling, sample_index=sampling.sample_index + draft_index)
+    batch = Batch(input_ids=input_ids, metadata=metadata, logits_indices=token_index, sampling=sampling,
+                  verify=layout)
+    return state, batch, TokenCounts(output_counts, prompt_seen, inputs.row_slot[layout.row_of]), unresolved
+
+
+def verify_layout(inputs: StepInputs, input_ids: jax.Array, ends: jax.Array, num_positions: int):
+    """The output positions of a speculating step: each real row has 1 + row_drafts of them,
+    back to back in row order: (VerifyLayout, token index of each position, its index within
+    its row). Position i of a row takes the logits of the row's token before its i-th draft
+    (i = 0: its last known token), so they verify draft i, or after the last draft give the
+    bonus token."""
+    S, T = inputs.row_len.shape[0], input_ids.shape[0]
+    per_row = jnp.where(inputs.row_len > 0, 1 + inputs.row_drafts, 0)
+    cum = jnp.cumsum(per_row).astype(jnp.int32)
+    offsets = cum - per_row
+    j = jnp.arange(num_positions, dtype=jnp.int32)
+    row_of = jnp.minimum(jnp.searchsorted(cum, j, side="right"), S - 1).astype(jnp.int32)
+    index = j - offsets[row_of]
+    real = j < cum[-1]
+    drafts = inputs.row_drafts[row_of]
+    token_index = jnp.where(real, ends[row_of] - 1 - drafts + index, 0)
+    draft_tokens = jnp.where(real & (index < drafts), input_ids[jnp.minimum(token_index + 1, T - 1)], -1)
+    return VerifyLayout(row_of=row_of, offsets=offsets, draft_tokens=draft_tokens), token_index, jnp.where(real, index, 0)
 
 
 def _reset_joined_slots(state: DeviceState, inputs: StepInputs):
@@ -331,9 +374,13 @@ def sampling_inputs(inputs: StepInputs) -> SamplingInputs:
     )
 
 
-def record_sampled(state: DeviceState, inputs: StepInputs, tokens: jax.Array) -> DeviceState:
-    """Keep each sampling row's token in its slot, for the next step to feed."""
+def record_sampled(state: DeviceState, inputs: StepInputs, tokens: jax.Array,
+                   verify: VerifyLayout | None = None, num_accepted: jax.Array | None = None) -> DeviceState:
+    """Keep each sampling row's token in its slot, for the next step to feed: with speculation,
+    its last new token (after the accepted drafts)."""
     R = state.last_token.shape[0]
+    if verify is not None:
+        tokens = tokens[verify.offsets + num_accepted]
     samples = (inputs.row_flags & ROW_SAMPLES) != 0
     last_token = state.last_token.at[jnp.where(samples, inputs.row_slot, R)].set(tokens, mode="drop")
     return dataclasses.replace(state, last_token=last_token)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from orca_jax import kernels
 from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
+from orca_jax.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("iteration", "request")
 # "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
@@ -130,6 +131,9 @@ class EngineConfig:
     # Converted GGUF weights and tokenizer, so a second start skips parsing and dequantizing
     # the file. None turns it off.
     model_cache_dir: str | None = field(default_factory=default_model_cache_dir)
+    # Speculative decoding (orca_jax.spec_decode): a dict with vLLM's keys, its JSON text, or
+    # a SpeculativeConfig; kept as the dataclass. None: off.
+    speculative_config: SpeculativeConfig | None = None
     # Filled in from the model once it is loaded (see `resolve`).
     token_buckets: tuple[int, ...] = field(default=(), compare=False)
     # The model's vocabulary (the logits' width), from `resolve`: the width of each step's
@@ -139,6 +143,7 @@ class EngineConfig:
     max_model_len_from_model: bool = field(default=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         errors = []
         if self.dtype not in ("auto", *DTYPES):
             errors.append(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
@@ -211,6 +216,18 @@ class EngineConfig:
         if not self.enable_prefix_caching or self.scheduling != "iteration":
             return 0
         return min(self.max_pages_per_seq, MAX_CACHED_PAGES_PER_STEP)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a sequence may add to one step (0: no speculation)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    def logits_rows(self, token_bucket: int) -> int:
+        """Rows of logits the step program of a bucket computes: one per sequence row, and with
+        speculation one per verified position too (1 + k per speculating row). A position is a
+        token of the step, so the bucket's token count bounds them as well."""
+        rows = self.seq_bucket(token_bucket)
+        return min(token_bucket, rows * (1 + self.num_speculative_tokens))
 
     def seq_bucket(self, token_bucket: int) -> int:
         """Sequence rows compiled with a token bucket. A step never holds more sequences than

@@ -48,6 +48,7 @@ from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import Scheduler
 from orca_jax.sequence import Sequence
+from orca_jax.spec_decode.proposing import NgramSequenceProposer, Speculation
 from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,
                            recompute_running)
 from orca_jax.step_timing import StepTimeline
@@ -129,6 +130,7 @@ class LLMEngine:
         # theirs in _awaiting_grammar, and their sequences are not admitted until it is ready.
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._awaiting_grammar: list[tuple[Request, Future]] = []
+        self.speculation = self._make_speculation()
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._finished_outside_step: list[Request] = []  # aborted between steps, reported next step
@@ -156,6 +158,18 @@ class LLMEngine:
         logger.info("engine ready in %.1f s: %s", self.startup_timings["startup_s"], ", ".join(
             f"{name.removesuffix('_s')} {seconds:.2f} s" for name, seconds in self.startup_timings.items()
             if name.endswith("_s") and name != "startup_s"))
+
+    def _make_speculation(self) -> Speculation | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.config.async_scheduling:
+            # A proposal continues the tokens the last step accepted: the host must have them
+            # before it schedules the next step, so steps run one at a time.
+            logger.info("speculative decoding: steps run one at a time (async scheduling off)")
+        if spec.method == "ngram":
+            return Speculation(spec, NgramSequenceProposer(spec))
+        raise ValueError(f"speculative_config method {spec.method!r} is not available")
 
     def _log_settings(self) -> None:
         c = self.config
@@ -291,15 +305,17 @@ class LLMEngine:
         self._finished_outside_step.clear()
         self.last_step = None  # set again only if a step completes
         self._start_compiled_grammars(touched)
-        if self.scheduler.num_guided_running:
-            # A grammar's mask needs the token before it on the host: steps in flight complete
-            # first, so while a constrained sequence runs, steps run one at a time.
+        if self.scheduler.num_guided_running or self.speculation is not None:
+            # A grammar's mask, and a proposal, need the tokens before them on the host: steps
+            # in flight complete first, so steps run one at a time.
             while self._in_flight:
                 self._complete(self._in_flight.popleft(), touched)
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, self.scheduler.max_len)
         dispatched = self._dispatch(touched)
         if not dispatched and not self._in_flight and self._awaiting_grammar:
             wait([future for _, future in self._awaiting_grammar], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        in_flight_wanted = 1 if self.config.async_scheduling else 0
+        in_flight_wanted = 1 if self.config.async_scheduling and self.speculation is None else 0
         # With nothing new to dispatch, whatever is in flight completes now; and once no
         # request is left, so does the step that only computed discarded tokens, so that an
         # engine with no requests has no device work pending either.
@@ -378,6 +394,8 @@ class LLMEngine:
             return
         self.num_steps += 1
         self.last_step = result
+        if self.speculation is not None:
+            self.speculation.record(result.update.verified)
         recording = time.perf_counter()
         for request in self._record_new_tokens(result):
             touched[request.request_id] = request
@@ -431,10 +449,11 @@ class LLMEngine:
         if wanting:  # one host conversion per step, not one per element
             rows = [row for row, _ in wanting]
             ids, lps, chosen = out.top_ids[rows].tolist(), out.top_logprobs[rows].tolist(), out.logprobs[rows].tolist()
+            tokens = out.tokens[rows].tolist()
             for j, (_, seq) in enumerate(wanting):
                 k = seq.params.logprobs
                 top = dict(zip(ids[j][:k], lps[j][:k]))
-                top[seq.output_token_ids[-1]] = chosen[j]
+                top[tokens[j]] = chosen[j]
                 seq.output_logprobs.append(top)
         for _, seq in result.advanced:
             if seq.first_token_time is None:

@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,6 +43,7 @@ from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
 from orca_jax.sampling import SampleOutput, sample
+from orca_jax.spec_decode.rejection import verify_drafts
 from orca_jax.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -68,13 +69,19 @@ def compile_workers(num_programs: int) -> int:
     return max(1, min(num_programs, cores // CORES_PER_COMPILE))
 
 
-def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size: int, params, kv_cache, state,
-               inputs: StepInputs):
-    """The model on one step, then sampling: (updated kv_cache, updated state, SampleOutput)."""
-    state, batch, counts, unresolved = expand(state, inputs, page_size)
+def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size: int,
+               logits_rows: Callable[[int], int] | None, params, kv_cache, state, inputs: StepInputs):
+    """The model on one step, then sampling: (updated kv_cache, updated state, SampleOutput).
+    `logits_rows` (speculative decoding: EngineConfig.logits_rows) gives a bucket's output
+    positions; the drafts in the step are then verified (orca_jax.spec_decode.rejection)."""
+    num_positions = None if logits_rows is None else logits_rows(inputs.num_tokens)
+    state, batch, counts, unresolved = expand(state, inputs, page_size, num_positions)
     logits, kv_cache = model.apply(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)
-    out = sample(logits, batch.sampling, max_logprobs, counts)
-    state = record_sampled(state, inputs, out.tokens)
+    if batch.verify is None:
+        out = sample(logits, batch.sampling, max_logprobs, counts)
+    else:
+        out = verify_drafts(logits, batch.sampling, batch.verify, inputs.row_slot.shape[0], max_logprobs, counts)
+    state = record_sampled(state, inputs, out.tokens, batch.verify, out.num_accepted)
     # keep_logits: tests and debugging see the rows sampling saw, from the same program.
     out = dataclasses.replace(out, unresolved_tokens=unresolved, logits=logits if keep_logits else None)
     return kv_cache, state, out
@@ -145,7 +152,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
-        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size)
+        logits_rows = config.logits_rows if config.num_speculative_tokens else None
+        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size,
+                                 logits_rows)
         donated = ("kv_cache", "state")
         if mesh is None:
             self._step = jax.jit(step, donate_argnames=donated)

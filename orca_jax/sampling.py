@@ -58,6 +58,9 @@ class SampleOutput:
     # i32[]: tokens the step meant to read from the device state but found missing (must be 0;
     # set by the engine's step program, see orca_jax.batch_state.expand).
     unresolved_tokens: jax.Array | None = None
+    # i32[S]: speculative decoding, the drafts each row accepted (tokens, logprobs and logits are
+    # then per output position, orca_jax.batch.VerifyLayout); None without speculation.
+    num_accepted: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ for _cls in (SampleOutput, TokenCounts):
 def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts: TokenCounts) -> SampleOutput:
     """logits f32[S, V] -> SampleOutput."""
     raw_logits = logits.astype(jnp.float32)
+    logits = constrained_logits(raw_logits, inputs, counts)
+    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
+    logprobs, top_logprobs, top_ids = token_logprobs(raw_logits, tokens, inputs, max_logprobs)
+    return SampleOutput(tokens, logprobs, top_ids, top_logprobs)
+
+
+def constrained_logits(raw_logits: jax.Array, inputs: SamplingInputs, counts: TokenCounts) -> jax.Array:
+    """The logits a row samples from: penalties applied, then its grammar's mask (each only
+    when a row of the batch asks)."""
     uses_penalties = jnp.any(
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
@@ -85,12 +97,16 @@ def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts:
     if inputs.token_bitmask is not None:
         logits = jax.lax.cond(jnp.any(inputs.guided), apply_token_bitmask, lambda l, *_: l, logits,
                               inputs.token_bitmask, inputs.guided)
-    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
+    return logits
+
+
+def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, inputs: SamplingInputs, max_logprobs: int):
+    """(log-probability of each row's token, top log-probabilities, their ids) of the raw
+    distribution, in the rows that want them (zeros elsewhere, and everywhere when none does)."""
     k = max(1, max_logprobs)
-    token_logprobs, top_logprobs, top_ids = jax.lax.cond(
+    return jax.lax.cond(
         jnp.any(inputs.want_logprobs), functools.partial(_logprobs, k=k), functools.partial(_no_logprobs, k=k),
         raw_logits, tokens, inputs.want_logprobs)
-    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -131,6 +147,13 @@ def draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """Tokens of a batch with at least one random row. Random rows draw from softmax(logits / T)
     over their kept set; greedy rows keep only their maximum and draw at u = 0, which picks its
     first occurrence, so they get exactly `greedy`'s token."""
+    return inverse_cdf(kept_weights(logits, inputs), draw_uniforms(inputs))
+
+
+def kept_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """f32[S, V] >= 0: each row's distribution before normalisation. A random row's
+    softmax(logits / T) numerators over its kept set (top-k, top-p, min-p); a greedy row's
+    maximum (weight 1 at each tied maximum)."""
     is_random = inputs.temperature > 0
     scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
     row_max = scaled.max(axis=-1)
@@ -138,13 +161,22 @@ def draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     cutoffs = jax.lax.cond(jnp.any(truncating), truncation_cutoffs,
                            lambda x, *_: jnp.full(x.shape[:1], -jnp.inf), scaled, row_max, inputs, truncating)
     cutoffs = jnp.where(is_random, jnp.minimum(cutoffs, row_max), row_max)
-    weights = jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
-    u = jnp.where(is_random, jax.vmap(_uniform)(inputs.seeds, inputs.sample_index), 0.0)
-    return inverse_cdf(weights, u)
+    return jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
 
 
-def _uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), index), (), jnp.float32)
+def draw_uniforms(inputs: SamplingInputs, stream: int = 0) -> jax.Array:
+    """f32[S]: each random row's uniform number for its output token `sample_index`, a pure
+    function of (seed, sample_index, stream); 0 for greedy rows. `stream` 0 is the draw's;
+    speculative decoding's acceptance test takes stream 1, independent of it."""
+    u = jax.vmap(functools.partial(_uniform, stream=stream))(inputs.seeds, inputs.sample_index)
+    return jnp.where(inputs.temperature > 0, u, 0.0)
+
+
+def _uniform(seed: jax.Array, index: jax.Array, stream: int = 0) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    if stream:
+        key = jax.random.fold_in(key, stream)
+    return jax.random.uniform(key, (), jnp.float32)
 
 
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:

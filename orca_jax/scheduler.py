@@ -46,13 +46,16 @@ class ScheduledBatch:
     """One step's rows, in order, as parallel lists. Iterating gives (sequence, new tokens)
     pairs, and a batch compares equal to a list of such pairs."""
 
-    __slots__ = ("seqs", "num_new", "starts", "samples", "pending_counted", "published")
+    __slots__ = ("seqs", "num_new", "starts", "samples", "drafts", "pending_counted", "published")
 
     def __init__(self):
         self.seqs: list[Sequence] = []
         self.num_new: list[int] = []
         self.starts: list[int] = []  # tokens cached before this step
         self.samples: list[bool] = []  # the row reaches the sequence's end, so it samples a token
+        # Speculative decoding: the draft tokens a row verifies after its last known token (the
+        # row's last len(drafts) tokens); () for every row without speculation.
+        self.drafts: list[tuple[int, ...]] = []
         # schedule() has added each sampling row to its sequence's num_pending; `of` has not.
         self.pending_counted = True
         # (page, hash) published while this step was scheduled: its K/V are this step's to write.
@@ -69,11 +72,25 @@ class ScheduledBatch:
             batch.add(seq, n, start, start + n == seq.num_tokens + seq.num_pending)
         return batch
 
-    def add(self, seq: Sequence, n: int, start: int, samples: bool) -> None:
+    def add(self, seq: Sequence, n: int, start: int, samples: bool, drafts: tuple[int, ...] = ()) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
         self.starts.append(start)
         self.samples.append(samples)
+        self.drafts.append(drafts)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+    def output_offsets(self) -> list[int]:
+        """Where each row's positions start in the step's outputs: a row has one sampled
+        position, plus one per draft token it verifies (the step program lays them out so)."""
+        offsets, at = [], 0
+        for drafts in self.drafts:
+            offsets.append(at)
+            at += 1 + len(drafts)
+        return offsets
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +149,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that had finished meanwhile
         self.num_schedules = 0
+        # Speculative decoding counters (vLLM's spec_decode metrics): rows that verified
+        # drafts, draft tokens verified, and those accepted.
+        self.num_spec_rows = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Running sequences under a grammar: while any runs, the engine completes each step
         # before it dispatches the next (a mask needs the token before it).
         self.num_guided_running = 0
@@ -196,24 +218,44 @@ class Scheduler:
     def _schedule_iteration_level(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled = ScheduledBatch()
-        for seq in self._schedulable_running():
+        running = self._schedulable_running()
+        # Draft tokens only take budget every running sequence's next token leaves over.
+        draft_budget = budget - len(running)
+        for seq in running:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted to make room for an earlier sequence
             granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget))
             if granted:
-                self._grant(scheduled, seq, granted)
-                budget -= granted
+                drafts = self._drafts_to_verify(seq, min(draft_budget, budget - granted), grow=True)
+                self._grant(scheduled, seq, granted, drafts)
+                budget -= granted + len(drafts)
+                draft_budget -= len(drafts)
         self._admit_waiting(scheduled, budget)
         return scheduled
 
-    def _grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int) -> None:
-        """The one place a row is added: its tokens count as computed from now on."""
+    def _drafts_to_verify(self, seq: Sequence, budget: int, *, grow: bool) -> tuple[int, ...]:
+        """The proposed draft tokens of a decoding sequence this step verifies: as many as the
+        budget, its length limit and its pages allow. Pages for them are taken only if free
+        (`grow`; the request-level policy reserved them at admission): speculation never
+        preempts. The proposal is used up either way."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if not drafts or seq.num_uncomputed_tokens != 1 or seq.num_pending:
+            return ()
+        # Each accepted draft is an output token: none past the length limit.
+        n = max(0, min(len(drafts), budget, self.max_len(seq) - seq.num_tokens - 1))
+        end = seq.num_computed_tokens + 1 + n  # cache positions the row fills
+        if grow and not self.allocator.grow_to(seq.page_ids, end):
+            n = max(0, min(n, len(seq.page_ids) * self.allocator.page_size - seq.num_computed_tokens - 1))
+        return tuple(drafts[:n])
+
+    def _grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
+        """The one place a row is added: its tokens (and drafts) count as computed from now on."""
         start = seq.num_computed_tokens
-        seq.num_computed_tokens = start + n
-        samples = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        seq.num_computed_tokens = start + n + len(drafts)
+        samples = start + n == seq.num_tokens + seq.num_pending
         seq.num_pending += samples
         seq.step_mark = self.num_schedules
-        scheduled.add(seq, n, start, samples)
+        scheduled.add(seq, n + len(drafts), start, samples, drafts)
         if self.config.enable_prefix_caching:
             self._publish_full_pages(seq, scheduled)
 
@@ -361,12 +403,17 @@ class Scheduler:
             self._admit_static_batch()
         budget = self.config.max_num_batched_tokens
         scheduled = ScheduledBatch()
-        for seq in self._schedulable_running():
+        running = self._schedulable_running()
+        draft_budget = budget - len(running)
+        for seq in running:
             if budget == 0:
                 break
             chunk = min(seq.num_uncomputed_tokens, budget)
-            self._grant(scheduled, seq, chunk)  # pages were reserved at admission
-            budget -= chunk
+            # Pages were reserved at admission, for the whole length drafts stay within.
+            drafts = self._drafts_to_verify(seq, min(draft_budget, budget - chunk), grow=False)
+            self._grant(scheduled, seq, chunk, drafts)
+            budget -= chunk + len(drafts)
+            draft_budget -= len(drafts)
         return scheduled
 
     def _admit_static_batch(self) -> None:
@@ -402,27 +449,53 @@ class Scheduler:
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
 
     # ---- after the step ------------------------------------------------------------------------
-    def postprocess(self, scheduled: ScheduledBatch, sampled, stop_rule: StopRule | None = None) -> StepUpdate:
-        """The one postprocess of a step: append the sampled token (row i of `sampled` belongs
-        to scheduled row i) to every sequence whose row sampled, then retire those that stop:
-        `stop_rule(seqs, tokens)` first (EOS, stop tokens and strings: the engine's), then the
-        length limit (`max_len`). A token of a sequence that finished after the step was
-        dispatched (aborted, or stopped by the step before) is discarded."""
+    def postprocess(self, scheduled: ScheduledBatch, sampled, stop_rule: StopRule | None = None,
+                    num_accepted=None) -> StepUpdate:
+        """The one postprocess of a step: append the sampled tokens to every sequence whose row
+        sampled, then retire those that stop: `stop_rule(seqs, tokens)` first (EOS, stop tokens
+        and strings: the engine's), then the length limit (`max_len`). A token of a sequence
+        that finished after the step was dispatched (aborted, or stopped by the step before) is
+        discarded.
+
+        `sampled` holds one token per output position (`ScheduledBatch.output_offsets`: row i
+        at position i when no row verifies drafts). A row that verified drafts brings its
+        `num_accepted[i]` accepted drafts and then the target's own token; they are appended
+        one at a time, in rounds of one token per sequence, so a stop inside an accepted run
+        ends the sequence there and nothing after it is emitted. Its cached count then drops
+        back to what the accepted tokens cover, and pages past that return to the pool."""
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
-        rows, seqs, new = [], [], []
+        accepted = [0] * len(scheduled) if num_accepted is None else [int(a) for a in num_accepted[:len(scheduled)]]
+        offsets = scheduled.output_offsets()
+        runs = []  # (row, seq, output positions of its new tokens)
         for row, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
             if not samples:
                 continue  # a prefill chunk short of the prompt's end: no token yet
+            seq.num_pending -= 1
             if seq.is_finished:
-                seq.num_pending -= 1
                 self.num_discarded_tokens += 1
                 continue
-            seq.num_pending -= 1
-            seq.output_token_ids.append(tokens[row])
-            rows.append(row)
-            seqs.append(seq)
-            new.append(tokens[row])
-        update = StepUpdate(advanced=list(zip(rows, seqs)))
+            runs.append((row, seq, range(offsets[row], offsets[row] + accepted[row] + 1)))
+        update = StepUpdate()
+        for round_ in range(max((len(positions) for *_, positions in runs), default=0)):
+            self._append_round(runs, round_, tokens, stop_rule, update)
+        for row, seq, positions in runs:
+            if scheduled.drafts[row]:
+                self._settle_verified(seq, scheduled.starts[row], len(scheduled.drafts[row]), len(positions) - 1,
+                                      update)
+        return update
+
+    def _append_round(self, runs, round_: int, tokens: list[int], stop_rule: StopRule | None,
+                      update: StepUpdate) -> None:
+        """Append the `round_`-th new token of every sequence that has one and is still running,
+        then apply the stop rules to those tokens."""
+        seqs, new = [], []
+        for _, seq, positions in runs:
+            if round_ < len(positions) and not seq.is_finished:
+                position = positions[round_]
+                seq.output_token_ids.append(tokens[position])
+                update.advanced.append((position, seq))
+                seqs.append(seq)
+                new.append(tokens[position])
         stops = stop_rule(seqs, new) if stop_rule is not None and seqs else [None] * len(seqs)
         for seq, stop in zip(seqs, stops):
             if stop is None and seq.num_tokens >= self.max_len(seq):  # max_tokens or max_model_len
@@ -431,7 +504,24 @@ class Scheduler:
                 seq.finish_reason, seq.stop_reason = stop
                 self.finish(seq, stop[0])
                 update.finished.append(seq)
-        return update
+
+    def _settle_verified(self, seq: Sequence, start: int, drafted: int, accepted: int, update: StepUpdate) -> None:
+        """After a row verified `drafted` tokens and accepted `accepted`: count them, and if the
+        sequence runs on, its cache holds the last token and the accepted drafts only. The
+        rejected positions' K/V are overwritten later; pages past the kept tokens are freed now
+        (the device's page table is rewritten from there on: `Sequence.pages_trimmed_to`)."""
+        self.num_spec_rows += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        update.verified.append((seq, drafted, accepted))
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens = start + 1 + accepted
+        keep = self.allocator.pages_needed(seq.num_tokens)
+        if len(seq.page_ids) > keep:
+            self.allocator.free(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
+            seq.pages_trimmed_to = keep if seq.pages_trimmed_to is None else min(seq.pages_trimmed_to, keep)
 
 
 def _decrement(counts: Counter, key: str) -> None:
@@ -449,5 +539,9 @@ StopRule = Callable[[list[Sequence], list[int]], "list[tuple[str, int | str | No
 
 @dataclass
 class StepUpdate:
-    advanced: list[tuple[int, Sequence]] = field(default_factory=list)  # (row, sequence) that got a token
+    # (output position, sequence) per appended token, in order: a sequence that accepted drafts
+    # appears once per token it got.
+    advanced: list[tuple[int, Sequence]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # retired by this step, pages freed
+    # (sequence, draft tokens verified, accepted) per row that verified drafts.
+    verified: list[tuple[Sequence, int, int]] = field(default_factory=list)

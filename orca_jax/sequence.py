@@ -56,6 +56,15 @@ class Sequence:
     # Constrained decoding (orca_jax.guided_decoding): the grammar's state, for a sequence
     # whose params carry structured_outputs; not admitted until the grammar is compiled.
     guided: GuidedState | None = None
+    # Speculative decoding (orca_jax.spec_decode): the draft tokens proposed for its next step
+    # (the scheduler verifies those its budget and pages allow, and clears them); the pages it
+    # kept when a rejected run gave pages back, so the device's page table is rewritten from
+    # there on (None: nothing given back since its last step was built); and the proposer's
+    # backoff (consecutive proposals rejected outright, steps to skip).
+    draft_token_ids: list[int] = field(default_factory=list)
+    pages_trimmed_to: int | None = None
+    num_failed_proposals: int = 0
+    skip_proposals: int = 0
 
     @property
     def awaiting_grammar(self) -> bool:

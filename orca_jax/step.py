@@ -141,7 +141,7 @@ def complete_step(scheduler: Scheduler, step: InFlightStep, stop_rule: StopRule 
     except Exception as exc:  # noqa: BLE001 - handed to the caller with the step's sequences
         raise StepFailed(step.scheduled, exc, dispatched=True) from exc
     received = time.perf_counter()
-    update = scheduler.postprocess(step.scheduled, output.tokens, stop_rule)
+    update = scheduler.postprocess(step.scheduled, output.tokens, stop_rule, output.num_accepted)
     if step.timing is not None:
         step.timing.wait_s = received - started
         step.timing.postprocess_s = time.perf_counter() - received  # the engine moves detokenizing out

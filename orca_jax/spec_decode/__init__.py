@@ -1,0 +1,11 @@
+"""Speculative decoding: proposers offer draft tokens per sequence, one target step verifies
+them all on the flattened token axis (a speculating sequence contributes 1 + k query tokens,
+like a short prefill chunk over its cached prefix), and a rejection rule keeps the longest
+valid prefix plus one token from the target.
+
+    config.py        SpeculativeConfig (vLLM's speculative_config keys)
+    ngram.py         NgramProposer: prompt lookup in the sequence's own history
+    draft_model.py   DraftModelProposer: a small model on its own runner, cache and buckets
+    proposing.py     which sequences propose this step (backoff after failed proposals)
+    rejection.py     verify_drafts: the acceptance rule inside the jitted step
+"""

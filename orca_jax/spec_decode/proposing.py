@@ -1,0 +1,86 @@
+"""Which running sequences propose drafts before a step, and the backoff of those whose
+proposals keep failing.
+
+The engine asks `Speculation.propose` before it schedules each step; the scheduler then
+verifies what its token budget and free pages allow (`Scheduler._drafts_to_verify`) and
+reports per verified row how many drafts were accepted (`StepUpdate.verified`), which
+`Speculation.record` turns into the backoff: a sequence whose last `backoff_after` proposals
+were all rejected outright skips the next `backoff_steps` steps' proposals, twice as many
+each further time (up to 64), so text that does not repeat stops paying verification rows.
+
+A sequence speculates only when the step can judge its drafts by the plain rule: no
+penalties (their counts would have to include the drafts before each position) and no
+grammar (a mask per draft position would need the matcher advanced through the drafts).
+Those sequences decode one token per step, exactly as without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from orca_jax.sequence import Sequence
+from orca_jax.spec_decode.config import SpeculativeConfig
+from orca_jax.spec_decode.ngram import NgramProposer
+
+MAX_BACKOFF_STEPS = 64
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] draft tokens continuing each sequence's tokens."""
+
+
+def can_speculate(seq: Sequence) -> bool:
+    return seq.guided is None and not seq.params.uses_penalties
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config = config
+        self.proposer = proposer
+
+    def propose(self, running: list[Sequence], max_len: Callable[[Sequence], int]) -> int:
+        """Give each running sequence that decodes next its drafts (`Sequence.draft_token_ids`).
+        Returns how many sequences got a proposal."""
+        seqs, limits = [], []
+        for seq in running:
+            seq.draft_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending or not can_speculate(seq):
+                continue
+            if seq.skip_proposals:
+                seq.skip_proposals -= 1
+                continue
+            # Every accepted draft is an output token: none past the length limit.
+            limit = min(self.config.num_speculative_tokens, max_len(seq) - seq.num_tokens - 1)
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return 0
+        proposals = self.proposer.propose(seqs, limits)
+        for seq, drafts in zip(seqs, proposals):
+            seq.draft_token_ids = list(drafts)
+        return sum(bool(d) for d in proposals)
+
+    def record(self, verified: list[tuple[Sequence, int, int]]) -> None:
+        """Backoff from each verified row's (sequence, drafts, accepted)."""
+        for seq, _, accepted in verified:
+            if accepted:
+                seq.num_failed_proposals = 0
+                continue
+            seq.num_failed_proposals += 1
+            over = seq.num_failed_proposals - self.config.backoff_after
+            if over >= 0:
+                seq.skip_proposals = min(MAX_BACKOFF_STEPS, self.config.backoff_steps << min(over, 16))
+
+
+class NgramSequenceProposer:
+    """The n-gram proposer over sequences (orca_jax.spec_decode.ngram looks up one history)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.lookup = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.lookup.propose(seq.prompt_token_ids + seq.output_token_ids, limit)
+                for seq, limit in zip(seqs, limits)]
