@@ -71,6 +71,11 @@ class EngineStats:
     kv_pages_cached: int = 0  # pages published in the prefix cache, held or not
     prefix_cache_queries: int = 0  # tokens looked up at admission, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Speculative decoding, since start: rows that verified drafts, draft tokens verified, and
+    # of those accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -404,6 +409,9 @@ class AsyncLLMEngine:
             kv_pages_cached=allocator.num_cached,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            spec_decode_num_drafts=scheduler.num_spec_rows,
+            spec_decode_num_draft_tokens=scheduler.num_draft_tokens,
+            spec_decode_num_accepted_tokens=scheduler.num_accepted_tokens,
         )
 
 

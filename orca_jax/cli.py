@@ -31,7 +31,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
-                "model_cache_dir")
+                "model_cache_dir", "speculative_config")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
 CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_cache": "model_cache_dir"}
 
@@ -80,6 +80,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="overlap the host's work with the device: dispatch step N+1 before reading step "
                              "N's tokens (same outputs); --no-async-scheduling runs one step at a time "
                              "(default: on)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 5, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                             '"num_speculative_tokens": 3, "model": "DIR"}\' (default: off; steps then run one at a time)')
     caches = parser.add_argument_group("caches (a second start reuses compiled programs and converted weights)")
     caches.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                         help="JAX persistent compilation cache (default: ~/.cache/orca_jax/xla, "

@@ -38,6 +38,9 @@ class CompileCounts:
     def __sub__(self, earlier: "CompileCounts") -> "CompileCounts":
         return CompileCounts(self.programs - earlier.programs, self.cache_hits - earlier.cache_hits)
 
+    def __add__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.programs + other.programs, self.cache_hits + other.cache_hits)
+
 
 _lock = threading.Lock()  # warm-up compiles from several threads at once
 _programs = 0

@@ -48,6 +48,7 @@ from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import Scheduler
 from orca_jax.sequence import Sequence
+from orca_jax.spec_decode.draft_model import DraftModelProposer
 from orca_jax.spec_decode.proposing import NgramSequenceProposer, Speculation
 from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,
                            recompute_running)
@@ -151,6 +152,11 @@ class LLMEngine:
         self._log_settings()
         if warmup:
             report = self.runner.warmup()
+            if self.speculation is not None:
+                draft = self.speculation.warmup()
+                if draft is not None:
+                    report = dataclasses.replace(report, seconds=report.seconds + draft.seconds,
+                                                 counts=report.counts + draft.counts)
             self.startup_timings.update(warmup_s=report.seconds, warmup_programs=report.counts.programs,
                                         warmup_cache_hits=report.counts.cache_hits)
         self.startup_timings["startup_s"] = time.perf_counter() - started
@@ -169,7 +175,11 @@ class LLMEngine:
             logger.info("speculative decoding: steps run one at a time (async scheduling off)")
         if spec.method == "ngram":
             return Speculation(spec, NgramSequenceProposer(spec))
-        raise ValueError(f"speculative_config method {spec.method!r} is not available")
+        proposer = DraftModelProposer(self.config, spec.model, self.attention_impl, self.runner.num_pages)
+        logger.info("speculative decoding: draft model %s (%s, %d layers), %d draft tokens per step",
+                    proposer.source, proposer.model_config.model_type, proposer.model_config.num_layers,
+                    spec.num_speculative_tokens)
+        return Speculation(spec, proposer)
 
     def _log_settings(self) -> None:
         c = self.config
@@ -322,6 +332,8 @@ class LLMEngine:
         while self._in_flight and (len(self._in_flight) > in_flight_wanted or not dispatched
                                    or not self.scheduler.has_unfinished()):
             self._complete(self._in_flight.popleft(), touched)
+        if self.speculation is not None:
+            self.speculation.release_finished()
         started = time.perf_counter()
         outputs = [o for r in touched.values() if (o := make_output(r)) is not None]
         for r in touched.values():

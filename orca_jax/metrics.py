@@ -37,6 +37,12 @@ class _EngineStatsCollector:
             ("orca_kv_pages_total", "Usable KV pages.", stats.kv_pages_total),
             ("orca_prefix_cache_pages", "KV pages in the prefix cache (held or evictable).", stats.kv_pages_cached),
         ]
+        # vLLM's mean acceptance length: tokens a verifying row emits on average (its accepted
+        # drafts plus the target's own token); 0 before any row verified drafts.
+        drafts = stats.spec_decode_num_drafts
+        gauges.append(("orca_spec_decode_mean_acceptance_length", "Speculative decoding: mean tokens emitted per "
+                       "row that verified drafts (1 + accepted / rows).",
+                       1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else 0.0))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
@@ -45,6 +51,12 @@ class _EngineStatsCollector:
             ("orca_prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
              stats.prefix_cache_queries),
             ("orca_prefix_cache_hits", "Tokens found in the prefix cache at admission.", stats.prefix_cache_hits),
+            ("orca_spec_decode_num_drafts", "Speculative decoding: sequence rows that verified draft tokens.",
+             stats.spec_decode_num_drafts),
+            ("orca_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+             stats.spec_decode_num_draft_tokens),
+            ("orca_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             stats.spec_decode_num_accepted_tokens),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

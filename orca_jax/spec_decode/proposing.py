@@ -63,6 +63,18 @@ class Speculation:
             seq.draft_token_ids = list(drafts)
         return sum(bool(d) for d in proposals)
 
+    def warmup(self):
+        """Build the proposer's own step programs, if it has any (a draft model); its report."""
+        warmup = getattr(self.proposer, "warmup", None)
+        return warmup() if warmup is not None else None
+
+    def release_finished(self) -> None:
+        """Let the proposer drop what it keeps for sequences no longer running (a draft model's
+        pages and slots)."""
+        release = getattr(self.proposer, "release_finished", None)
+        if release is not None:
+            release()
+
     def record(self, verified: list[tuple[Sequence, int, int]]) -> None:
         """Backoff from each verified row's (sequence, drafts, accepted)."""
         for seq, _, accepted in verified:
