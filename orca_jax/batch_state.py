@@ -11,7 +11,7 @@ the device, per slot, and is changed in place (donated with the KV cache):
       output_counts  i32[R, V]  how often each token occurs in the slot's output (penalties)
       prompt_seen    bool[R, V] which tokens occur in its prompt (repetition penalty)
 
-Each step the host sends only a `StepInputs` (about 17 KB at 256 rows, whatever max_model_len
+Each step the host sends only a `StepInputs` (about 18 KB at 256 rows, whatever max_model_len
 is): per row its slot, start, length and sampling parameters, the token ids the host knows
 (prompt chunks, recomputes), and the pages added since the slot's last step. A decode row's
 token is `PENDING_TOKEN`: the device takes it from `last_token`, so a sampled token reaches

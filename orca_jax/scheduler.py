@@ -518,7 +518,8 @@ class Scheduler:
             return
         seq.num_computed_tokens = start + 1 + accepted
         keep = self.allocator.pages_needed(seq.num_tokens)
-        if len(seq.page_ids) > keep:
+        # The request-level policy keeps what it reserved at admission for the whole length.
+        if self.config.scheduling == "iteration" and len(seq.page_ids) > keep:
             self.allocator.free(seq.page_ids[keep:])
             del seq.page_ids[keep:]
             seq.pages_trimmed_to = keep if seq.pages_trimmed_to is None else min(seq.pages_trimmed_to, keep)

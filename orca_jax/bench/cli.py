@@ -1,5 +1,5 @@
-"""`orca-jax bench orca | offline | serve | simulate | startup | host | prefix | structured`: argument parsing and
-output files.
+"""`orca-jax bench orca | offline | serve | simulate | startup | host | prefix | structured | spec`: argument
+parsing and output files.
 
 Every subcommand prints its table, writes a JSON record (and a figure where there are curves)
 and records the exact command, machine and date inside the JSON.
@@ -8,6 +8,7 @@ and records the exact command, machine and date inside the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -520,6 +521,86 @@ def _add_structured_parser(sub) -> None:
     p.set_defaults(func=cmd_structured)
 
 
+# ---- bench spec ------------------------------------------------------------------------------------
+def cmd_spec(args) -> int:
+    import sys
+
+    from orca_jax.bench.driver import BenchmarkError
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.spec import SpecSettings, format_report, run_spec
+
+    base = SpecSettings.quick() if args.quick else SpecSettings()
+    given = {name: getattr(args, name) for name in (
+        "batch_sizes", "workloads", "ngram_k", "draft_k", "rounds", "copy_output_len", "copy_sentences",
+        "random_scale", "random_requests_per_slot", "max_num_batched_tokens", "page_size", "switch_interval_s")
+        if getattr(args, name) is not None}
+    settings = dataclasses.replace(base, model=args.model, draft_model=args.draft_model, dtype=args.dtype,
+                                   seed=args.seed, **given)
+    try:
+        record = run_spec(settings, command_from_args("spec", args), progress=lambda line: print(line, flush=True))
+    except BenchmarkError as exc:  # a request failed, made the wrong number of tokens, or counters disagree
+        print(f"orca-jax bench spec: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(record))
+    write_json(record, args.json)
+    if not record["greedy_outputs_identical"]:
+        print("orca-jax bench spec: greedy outputs with speculation DIFFER from those without (see "
+              "`differing_requests` in the runs)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    """Comma-separated speculative token counts; empty for none."""
+    return _sizes(text)
+
+
+def _add_spec_parser(sub) -> None:
+    from orca_jax.bench.spec import WORKLOADS, SpecSettings
+
+    d = SpecSettings()
+    p = sub.add_parser("spec", help="speculative decoding (n-gram, draft model) against none: a copy-heavy "
+                                    "workload and Orca's random trace at batch 1, 4, 16, by turns")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model's checkpoint (default: the target itself, the acceptance upper bound)")
+    p.add_argument("--quick", action="store_true",
+                   help="small defaults for a tiny model (the tests): batch 1,2, k 2,3 and draft 2, 16-token outputs, "
+                        "a token budget of 8")
+    p.add_argument("--batch-sizes", type=_sizes, default=None,
+                   help="requests in flight; one engine per configuration at the largest (default %s)"
+                        % ",".join(map(str, d.batch_sizes)))
+    p.add_argument("--workloads", type=_names, default=None,
+                   help=f"comma-separated among {','.join(WORKLOADS)} (default both)")
+    p.add_argument("--ngram-k", type=_ks, default=None,
+                   help="n-gram num_speculative_tokens, one engine each; '' for none (default %s)"
+                        % ",".join(map(str, d.ngram_k)))
+    p.add_argument("--draft-k", type=_ks, default=None,
+                   help="draft-model num_speculative_tokens, one engine each; '' for none (default %s)"
+                        % ",".join(map(str, d.draft_k)))
+    p.add_argument("--rounds", type=_positive_int, default=None,
+                   help=f"rounds of the configurations by turns, medians (default {d.rounds})")
+    p.add_argument("--copy-output-len", type=_positive_int, default=None,
+                   help=f"output tokens of each copy request, EOS ignored (default {d.copy_output_len})")
+    p.add_argument("--copy-sentences", type=_positive_int, default=None,
+                   help=f"sentences of the passage to repeat (default all {d.copy_sentences})")
+    p.add_argument("--random-scale", type=_positive_float, default=None,
+                   help=f"length scale of Orca's random trace (default {d.random_scale:g}: input U[16, 256], "
+                        "output U[1, 64])")
+    p.add_argument("--random-requests-per-slot", type=_positive_int, default=None,
+                   help=f"random trace at batch B: B times this many requests, B in flight "
+                        f"(default {d.random_requests_per_slot})")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help=f"token budget per step (default {d.max_num_batched_tokens})")
+    p.add_argument("--page-size", type=_positive_int, default=None, help=f"tokens per KV page (default {d.page_size})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype, help=f"engine dtype (default {d.dtype})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random trace and the engines")
+    p.add_argument("--switch-interval", dest="switch_interval_s", type=_positive_float, default=None,
+                   help=f"sys.setswitchinterval while measuring, seconds (default {d.switch_interval_s:g})")
+    p.add_argument("--json", default=f"{RESULTS_DIR}/spec_cpu.json", help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_spec)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -532,3 +613,4 @@ def add_bench_parser(subparsers) -> None:
     _add_host_parser(sub)
     _add_prefix_parser(sub)
     _add_structured_parser(sub)
+    _add_spec_parser(sub)

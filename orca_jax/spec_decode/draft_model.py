@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
+
 from orca_jax.config import EngineConfig
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
@@ -50,9 +52,9 @@ class _Shadow:
 
 class DraftModelProposer:
     def __init__(self, target_config: EngineConfig, model: str | None, attention_impl: str, num_pages: int):
-        if target_config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'draft_model' runs on one device: "
-                             "tensor_parallel_size must be 1")
+        if target_config.tensor_parallel_size > 1 or jax.process_count() > 1:
+            raise ValueError("speculative_config method 'draft_model' runs on one device of one process: "
+                             "tensor_parallel_size must be 1 and jax.distributed not started")
         loaded = load_model(model or target_config.model, dtype=target_config.dtype,
                             cache_dir=target_config.model_cache_dir)
         self.model_config = loaded.config
