@@ -93,6 +93,8 @@ def test_metrics_exposes_every_series(live):
         "orca_kv_cache_usage_ratio", "orca_kv_pages_used", "orca_kv_pages_total", "orca_num_preemptions_total",
         "orca_engine_steps_total", "orca_prompt_tokens_total", "orca_generation_tokens_total",
         "orca_prefix_cache_queries_total", "orca_prefix_cache_hits_total", "orca_prefix_cache_pages",
+        "orca_spec_decode_num_drafts_total", "orca_spec_decode_num_draft_tokens_total",
+        "orca_spec_decode_num_accepted_tokens_total", "orca_spec_decode_mean_acceptance_length",
     ]
     assert [name for name in expected if name not in samples] == []
     assert samples['orca_requests_total{finish_reason="length"}'] >= 1

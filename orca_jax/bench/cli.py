@@ -565,7 +565,7 @@ def _add_spec_parser(sub) -> None:
     p.add_argument("--draft-model", default=None,
                    help="the draft model's checkpoint (default: the target itself, the acceptance upper bound)")
     p.add_argument("--quick", action="store_true",
-                   help="small defaults for a tiny model (the tests): batch 1,2, k 2,3 and draft 2, 16-token outputs, "
+                   help="small defaults for a tiny model (the tests): batch 1,2, n-gram and draft k 3, 16-token outputs, "
                         "a token budget of 8")
     p.add_argument("--batch-sizes", type=_sizes, default=None,
                    help="requests in flight; one engine per configuration at the largest (default %s)"

@@ -114,9 +114,9 @@ class SpecSettings:
 
     @classmethod
     def quick(cls, **overrides) -> SpecSettings:
-        """Seconds on a tiny model (the tests): short outputs, batch 1 and 2, and a token budget of
-        8, so each engine compiles one step program."""
-        return cls(**{**dict(batch_sizes=(1, 2), ngram_k=(2, 3), draft_k=(2,), copy_output_len=16, copy_sentences=2,
+        """Seconds on a tiny model (the tests): short outputs, batch 1 and 2, a token budget of 8
+        (one step program per engine) and k = 3 for both proposers (the same program)."""
+        return cls(**{**dict(batch_sizes=(1, 2), ngram_k=(3,), draft_k=(3,), copy_output_len=16, copy_sentences=2,
                              random_scale=0.1, max_num_batched_tokens=8, page_size=8), **overrides})
 
     @property

@@ -35,12 +35,11 @@ def test_bench_spec_quick_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     code = cli.main(["bench", "spec", "--quick", "--model", str(tiny_llama_dir), "--json", str(out)])
     assert code == 0
     record = json.loads(out.read_text())
-    labels = ["off", "ngram k=2", "ngram k=3", "draft k=2"]
+    labels = ["off", "ngram k=3", "draft k=3"]
     assert list(record["configs"]) == labels
-    assert record["engine"]["async_scheduling"] == {"off": True, "ngram k=2": False, "ngram k=3": False,
-                                                    "draft k=2": False}
+    assert record["engine"]["async_scheduling"] == {"off": True, "ngram k=3": False, "draft k=3": False}
     runs = record["runs"]
-    assert len(runs) == 2 * 2 * 2 * 4  # rounds x workloads x batch sizes x configs
+    assert len(runs) == 2 * 2 * 2 * 3  # rounds x workloads x batch sizes x configs
     # By turns, the order flipped each round.
     first = [r["config"] for r in runs if (r["round"], r["workload"], r["batch"]) == (0, "copy", 1)]
     second = [r["config"] for r in runs if (r["round"], r["workload"], r["batch"]) == (1, "copy", 1)]
@@ -65,7 +64,7 @@ def test_bench_spec_quick_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
         if r["spec_rows"]:
             assert r["mean_acceptance_length"] == pytest.approx(1 + r["accepted_tokens"] / r["spec_rows"])
     # The target as its own draft accepts (nearly) everything it proposes.
-    draft = record["cells"]["copy"]["1"]["draft k=2"]
+    draft = record["cells"]["copy"]["1"]["draft k=3"]
     assert draft["draft_tokens"] > 0 and draft["acceptance_rate"] > 0.9
     assert set(record["cells"]) == {"copy", "random"} and set(record["cells"]["random"]) == {"1", "2"}
     cell = record["cells"]["copy"]["2"]["ngram k=3"]
@@ -73,7 +72,7 @@ def test_bench_spec_quick_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert record["workloads"]["random"]["requests_by_batch"] == {"1": 2, "2": 4}
     assert record["workloads"]["copy"]["requests_by_batch"] == {"1": 1, "2": 2}
     targets = record["targets"]
-    assert set(targets["copy_speedup"]["by_config"]) == {"ngram k=2", "ngram k=3"}
+    assert set(targets["copy_speedup"]["by_config"]) == {"ngram k=3"}
     assert set(targets["random_no_loss"]["by_config"]["ngram k=3"]) == {"1", "2"}
     assert record["greedy_outputs_identical"] and record["xla_compiles_during_runs"] == 0
     assert record["command"].startswith("orca-jax bench spec --model")

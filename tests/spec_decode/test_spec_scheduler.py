@@ -348,13 +348,16 @@ def simulate(config_kw: dict, k: int, reqs: list[Req], data) -> None:
             if r.abort_at == step and i in seqs and not seqs[i].is_finished:
                 sched.finish(seqs[i], "abort")
                 finished.append(seqs[i])
-        # Proposals: any length (the scheduler cuts them), only for decoding sequences.
+        # Proposals: any length (the scheduler cuts them), only for decoding sequences; the
+        # engine's Speculation.propose clears every running sequence's old ones first.
         proposals = {}
         for seq in sched.running:
+            seq.draft_token_ids = []
             if seq.num_uncomputed_tokens == 1 and data.draw(st.booleans()):
                 seq.draft_token_ids = data.draw(st.lists(st.sampled_from(VOCAB), min_size=1, max_size=k))
                 proposals[id(seq)] = list(seq.draft_token_ids)
         running_before = list(sched.running)
+        preemptions_before = {id(seq): seq.num_preemptions for seq in running_before}
         decoding_before = [s for s in running_before if s.is_decoding]
         scheduled = sched.schedule()
 
@@ -375,7 +378,8 @@ def simulate(config_kw: dict, k: int, reqs: list[Req], data) -> None:
                 assert n == 1 + len(drafts) and start == seq.num_tokens - 1
             assert seq.num_computed_tokens == start + n
             assert len(seq.page_ids) * ps >= start + n, "pages do not cover the step"
-            assert seq.draft_token_ids == []
+            if preemptions_before.get(id(seq)) == seq.num_preemptions:
+                assert seq.draft_token_ids == [], "a proposal is used up, cut or not"
             # The fake device writes the step's K/V: known tokens, then the drafts.
             written = seq.tokens(start, start + n - len(drafts)) + list(drafts)
             for p, token in zip(range(start, start + n), written):
