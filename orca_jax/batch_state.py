@@ -340,7 +340,8 @@ def verify_layout(inputs: StepInputs, input_ids: jax.Array, ends: jax.Array, num
     drafts = inputs.row_drafts[row_of]
     token_index = jnp.where(real, ends[row_of] - 1 - drafts + index, 0)
     draft_tokens = jnp.where(real & (index < drafts), input_ids[jnp.minimum(token_index + 1, T - 1)], -1)
-    return VerifyLayout(row_of=row_of, offsets=offsets, draft_tokens=draft_tokens), token_index, jnp.where(real, index, 0)
+    layout = VerifyLayout(row_of=row_of, offsets=offsets, draft_tokens=draft_tokens)
+    return layout, token_index, jnp.where(real, index, 0)
 
 
 def _reset_joined_slots(state: DeviceState, inputs: StepInputs):

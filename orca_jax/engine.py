@@ -169,17 +169,17 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        if self.config.async_scheduling:
-            # A proposal continues the tokens the last step accepted: the host must have them
-            # before it schedules the next step, so steps run one at a time.
-            logger.info("speculative decoding: steps run one at a time (async scheduling off)")
+        # A proposal continues the tokens the last step accepted: the host must have them before
+        # it schedules the next step, so proposing steps run one at a time; with async
+        # scheduling the engine overlaps steps again while speculation does not pay.
+        overlap = self.config.async_scheduling
         if spec.method == "ngram":
-            return Speculation(spec, NgramSequenceProposer(spec))
+            return Speculation(spec, NgramSequenceProposer(spec), overlap)
         proposer = DraftModelProposer(self.config, spec.model, self.attention_impl, self.runner.num_pages)
         logger.info("speculative decoding: draft model %s (%s, %d layers), %d draft tokens per step",
                     proposer.source, proposer.model_config.model_type, proposer.model_config.num_layers,
                     spec.num_speculative_tokens)
-        return Speculation(spec, proposer)
+        return Speculation(spec, proposer, overlap)
 
     def _log_settings(self) -> None:
         c = self.config
@@ -315,17 +315,18 @@ class LLMEngine:
         self._finished_outside_step.clear()
         self.last_step = None  # set again only if a step completes
         self._start_compiled_grammars(touched)
-        if self.scheduler.num_guided_running or self.speculation is not None:
+        proposing = self.speculation is not None and self.speculation.proposing
+        if self.scheduler.num_guided_running or proposing:
             # A grammar's mask, and a proposal, need the tokens before them on the host: steps
             # in flight complete first, so steps run one at a time.
             while self._in_flight:
                 self._complete(self._in_flight.popleft(), touched)
-        if self.speculation is not None:
+        if proposing:
             self.speculation.propose(self.scheduler.running, self.scheduler.max_len)
         dispatched = self._dispatch(touched)
         if not dispatched and not self._in_flight and self._awaiting_grammar:
             wait([future for _, future in self._awaiting_grammar], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        in_flight_wanted = 1 if self.config.async_scheduling and self.speculation is None else 0
+        in_flight_wanted = 1 if self.config.async_scheduling and not proposing else 0
         # With nothing new to dispatch, whatever is in flight completes now; and once no
         # request is left, so does the step that only computed discarded tokens, so that an
         # engine with no requests has no device work pending either.
@@ -407,7 +408,7 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step = result
         if self.speculation is not None:
-            self.speculation.record(result.update.verified)
+            self.speculation.record(result.update.verified, len(result.scheduled))
         recording = time.perf_counter()
         for request in self._record_new_tokens(result):
             touched[request.request_id] = request

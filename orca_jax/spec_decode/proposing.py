@@ -4,9 +4,11 @@ proposals keep failing.
 The engine asks `Speculation.propose` before it schedules each step; the scheduler then
 verifies what its token budget and free pages allow (`Scheduler._drafts_to_verify`) and
 reports per verified row how many drafts were accepted (`StepUpdate.verified`), which
-`Speculation.record` turns into the backoff: a sequence whose last `backoff_after` proposals
+`Speculation.record` turns into two backoffs: a sequence whose last `backoff_after` proposals
 were all rejected outright skips the next `backoff_steps` steps' proposals, twice as many
-each further time (up to 64), so text that does not repeat stops paying verification rows.
+each further time (up to 64), so text that does not repeat stops paying verification rows;
+and when whole steps keep gaining too little, the engine goes back to overlapped steps (async
+scheduling) for a while, since proposing costs it the overlap.
 
 A sequence speculates only when the step can judge its drafts by the plain rule: no
 penalties (their counts would have to include the drafts before each position) and no
@@ -38,9 +40,33 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    """Proposals before each step, and when to make them.
+
+    A proposal needs the sequence's last token on the host, so a step that speculates runs one
+    at a time: it gives up async scheduling's overlap of host and device work (about 7% of a
+    decode step on the 2-core CPU, docs/benchmarks.md). `overlap_allowed` (the engine's
+    async_scheduling) lets the engine win that back where speculation does not pay: after
+    `backoff_after` proposing steps in a row that gained too little (accepted tokens under
+    `MIN_GAIN` of the step's sequences), it runs `overlap_steps` overlapped steps without
+    proposals (`backoff_steps`, doubling while it keeps not paying, up to 64), then tries again."""
+
+    # A proposing step pays when its accepted drafts are at least this share of its sequences
+    # (each accepted draft saves about one sequence-step; the lost overlap costs ~7% per step).
+    MIN_GAIN = 0.1
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, overlap_allowed: bool = False):
         self.config = config
         self.proposer = proposer
+        self.overlap_allowed = overlap_allowed
+        self.overlap_steps_left = 0  # steps still to run overlapped, without proposals
+        self._overlap_span = config.backoff_steps
+        self._fruitless = 0  # proposing steps in a row that did not pay
+        self._asked: int | None = None  # sequences asked for drafts before the step in flight
+
+    @property
+    def proposing(self) -> bool:
+        """Whether the next step proposes (and so runs one at a time)."""
+        return self.overlap_steps_left == 0
 
     def propose(self, running: list[Sequence], max_len: Callable[[Sequence], int]) -> int:
         """Give each running sequence that decodes next its drafts (`Sequence.draft_token_ids`).
@@ -58,6 +84,7 @@ class Speculation:
             if limit > 0:
                 seqs.append(seq)
                 limits.append(limit)
+        self._asked = len(seqs)
         if not seqs:
             return 0
         proposals = self.proposer.propose(seqs, limits)
@@ -77,8 +104,9 @@ class Speculation:
         if release is not None:
             release()
 
-    def record(self, verified: list[tuple[Sequence, int, int]]) -> None:
-        """Backoff from each verified row's (sequence, drafts, accepted)."""
+    def record(self, verified: list[tuple[Sequence, int, int]], num_rows: int) -> None:
+        """After a step of `num_rows` rows: each verified row's (sequence, drafts, accepted)
+        updates its sequence's backoff, and the step as a whole the engine's overlap backoff."""
         for seq, _, accepted in verified:
             if accepted:
                 seq.num_failed_proposals = 0
@@ -87,6 +115,23 @@ class Speculation:
             over = seq.num_failed_proposals - self.config.backoff_after
             if over >= 0:
                 seq.skip_proposals = min(MAX_BACKOFF_STEPS, self.config.backoff_steps << min(over, 16))
+        asked, self._asked = self._asked, None
+        if not self.overlap_allowed:
+            return
+        if asked is None:  # an overlapped step
+            self.overlap_steps_left = max(0, self.overlap_steps_left - 1)
+        elif asked:  # a proposing step with sequences to propose for (not only prefills)
+            self._judge(sum(a for *_, a in verified), num_rows)
+
+    def _judge(self, accepted: int, num_rows: int) -> None:
+        if accepted >= max(1.0, self.MIN_GAIN * num_rows):
+            self._fruitless, self._overlap_span = 0, self.config.backoff_steps
+            return
+        self._fruitless += 1
+        if self._fruitless >= self.config.backoff_after:
+            self.overlap_steps_left = self._overlap_span
+            self._overlap_span = min(MAX_BACKOFF_STEPS, 2 * self._overlap_span)
+            self._fruitless = 0
 
 
 class NgramSequenceProposer:
