@@ -71,11 +71,12 @@ class Speculation:
     def propose(self, running: list[Sequence], max_len: Callable[[Sequence], int]) -> int:
         """Give each running sequence that decodes next its drafts (`Sequence.draft_token_ids`).
         Returns how many sequences got a proposal."""
-        seqs, limits = [], []
+        seqs, limits, eligible = [], [], 0
         for seq in running:
             seq.draft_token_ids = []
             if seq.num_uncomputed_tokens != 1 or seq.num_pending or not can_speculate(seq):
                 continue
+            eligible += 1  # it could speculate: a step where none does, or none gains, did not pay
             if seq.skip_proposals:
                 seq.skip_proposals -= 1
                 continue
@@ -84,7 +85,7 @@ class Speculation:
             if limit > 0:
                 seqs.append(seq)
                 limits.append(limit)
-        self._asked = len(seqs)
+        self._asked = eligible
         if not seqs:
             return 0
         proposals = self.proposer.propose(seqs, limits)
@@ -120,7 +121,7 @@ class Speculation:
             return
         if asked is None:  # an overlapped step
             self.overlap_steps_left = max(0, self.overlap_steps_left - 1)
-        elif asked:  # a proposing step with sequences to propose for (not only prefills)
+        elif asked:  # a proposing step with sequences that could speculate (not only prefills)
             self._judge(sum(a for *_, a in verified), num_rows)
 
     def _judge(self, accepted: int, num_rows: int) -> None:

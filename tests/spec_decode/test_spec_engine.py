@@ -62,6 +62,13 @@ def engines(tiny_engine_factory):
     return get
 
 
+def one_at_a_time(engines):
+    """The k = 3 engine with async_scheduling=False: every step proposes (the default engine
+    goes back to overlapped steps without proposals while speculation gains too little, so
+    which steps verify drafts there depends on everything it ran). Same programs as engines(3)."""
+    return engines(3, async_scheduling=False)
+
+
 def greedy(max_tokens=40, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
@@ -69,29 +76,39 @@ def greedy(max_tokens=40, **kw) -> SamplingParams:
 def run(engine, requests, abort_at: dict[str, int] | None = None, trace: list | None = None,
         after_step=None) -> dict:
     """Add `requests`, step until idle (aborting request r at step abort_at[r]); the final output
-    per request. `trace` collects per completed step {(request id, sample index): (tokens
-    appended, (drafted, accepted) or None)}; `after_step(engine)` runs after each step."""
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    final, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for request_id, at in (abort_at or {}).items():
-            if at == steps:
-                engine.abort(request_id)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in final
-                final[out.request_id] = [
-                    (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs
-                ] + [out.error]
-        if trace is not None and engine.last_step is not None:
-            appended = Counter((s.request_id, s.index) for _, s in engine.last_step.advanced)
-            verified = {(s.request_id, s.index): (d, a) for s, d, a in engine.last_step.update.verified}
+    per request. `trace` collects per completed model step {(request id, sample index): (tokens
+    appended, (drafted, accepted) or None)}; `after_step(engine)` runs after each step() call."""
+    postprocess = engine.scheduler.postprocess
+    if trace is not None:
+        def traced(*args, **kwargs):
+            update = postprocess(*args, **kwargs)
+            appended = Counter((s.request_id, s.index) for _, s in update.advanced)
+            verified = {(s.request_id, s.index): (d, a) for s, d, a in update.verified}
             trace.append({key: (appended.get(key, 0), verified.get(key)) for key in appended.keys() | verified.keys()})
-        if after_step is not None:
-            after_step(engine)
-        steps += 1
-        assert steps < 5000
+            return update
+
+        engine.scheduler.postprocess = traced
+    try:
+        for request_id, prompt, params in requests:
+            engine.add_request(request_id, prompt, params)
+        final, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for request_id, at in (abort_at or {}).items():
+                if at == steps:
+                    engine.abort(request_id)
+            for out in engine.step():
+                if out.finished:
+                    assert out.request_id not in final
+                    final[out.request_id] = [
+                        (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs
+                    ] + [out.error]
+            if after_step is not None:
+                after_step(engine)
+            steps += 1
+            assert steps < 5000
+    finally:
+        if trace is not None:
+            del engine.scheduler.postprocess  # back to the class's method
     assert_idle(engine)
     return final
 
@@ -263,7 +280,7 @@ def test_stops_and_length_limits_inside_accepted_runs(engines):
     """A stop token id, a stop string and max_tokens that fall inside a run of accepted drafts:
     identical to no speculation, nothing past the stop emitted, and the step that stopped had
     verified more accepted drafts than it appended (the run was cut there)."""
-    spec, plain = engines(3), engines(0)
+    spec, plain = one_at_a_time(engines), engines(0)
     loop = looping_prompt(engines)
     trace = []
     probe = run(spec, [("probe", loop, greedy(32, ignore_eos=True))], trace=trace)["probe"][0][0]
@@ -324,7 +341,8 @@ def test_n_samples_greedy_and_seeded(engines):
     seeded = [("n2-seeded", loop, SamplingParams(max_tokens=48, n=2, temperature=0.8, top_p=0.9, top_k=2, seed=21,
                                                  ignore_eos=True))]
     trace = []
-    first, again = run(spec, seeded, trace=trace), run(spec, seeded)
+    sync = one_at_a_time(engines)
+    first, again = run(sync, seeded, trace=trace), run(sync, seeded)
     assert first == again
     assert first["n2-seeded"][0][0] != first["n2-seeded"][1][0], "the two samples have their own seeds"
     assert accepted_drafts(trace, "n2-seeded", 0) + accepted_drafts(trace, "n2-seeded", 1) > 0, \
@@ -354,8 +372,9 @@ def test_logprobs_are_the_targets(engines):
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(engines):
     """temperature 0.8, top_p 0.9, top_k 2 (so that the flat tiny model repeats itself and drafts
-    occur): the same tokens run twice alone and once among other requests."""
-    spec = engines(3)
+    occur): the same tokens run twice alone and once among other requests (one step at a time,
+    every step proposing, k = 3 drafts for at most 8 sequences never cut by the budget)."""
+    spec = one_at_a_time(engines)
     loop = looping_prompt(engines)
     params = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, top_k=2, seed=1234, ignore_eos=True)
     traces = [[], [], []]
@@ -390,18 +409,22 @@ class AlwaysProposer:
         getattr(self.ngram, "release_finished", lambda: None)()
 
 
-def test_pages_and_slots_return_after_many_rejections(engines, monkeypatch):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["one-at-a-time", "default-async"])
+def test_pages_and_slots_return_after_many_rejections(engines, monkeypatch, overlapped):
     """Sampled at temperature 1 with a proposal every step, most drafts are rejected: after every
     step the pages in use are exactly those the sequences hold, no running sequence holds pages
-    past its tokens, and at the end every page and slot is free."""
-    spec = engines(3)
+    past its tokens, and at the end every page and slot is free. One step at a time with no
+    backoff (every step verifies), and on the default engine, whose backoffs switch between
+    verifying steps and overlapped ones."""
+    spec = engines(3) if overlapped else one_at_a_time(engines)
     config = spec.speculation.config
     monkeypatch.setattr(spec.speculation, "proposer", AlwaysProposer(config))
-    monkeypatch.setattr(spec.speculation, "config", dataclasses.replace(config, backoff_after=10**6))
+    if not overlapped:
+        monkeypatch.setattr(spec.speculation, "config", dataclasses.replace(config, backoff_after=10**6))
     loop = looping_prompt(engines)
     rng = np.random.default_rng(2)
     requests = [(f"t1-{i}", rng.integers(3, 434, size=n).tolist(),
-                 SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+                 SamplingParams(max_tokens=40 if not overlapped else 90, temperature=1.0, seed=i, ignore_eos=True))
                 for i, n in enumerate([3, 17, 33, 50, 8, 64])]
     requests += [("greedy-loop", loop, greedy(40, ignore_eos=True)), ("greedy-fox", FOX, greedy(40, ignore_eos=True))]
     counters = SpecCounters(spec)
@@ -419,7 +442,7 @@ def test_pages_and_slots_return_after_many_rejections(engines, monkeypatch):
         assert all(s.page_ids == [] for s in engine.scheduler.waiting)
 
     outputs = run(spec, requests, after_step=check)
-    assert counters.drafted > 100 and 0 < counters.accepted < counters.drafted / 2, \
+    assert counters.drafted > (20 if overlapped else 100) and 0 < counters.accepted < counters.drafted / 2, \
         (counters.drafted, counters.accepted)
     assert sum(trims) > 0, "no rejected run gave pages back"
     greedy_requests = requests[-2:]
@@ -489,7 +512,7 @@ def test_request_level_policy_with_speculation(engines, greedy_reference):
 
 def test_delta_outputs_add_up_to_the_final_output(engines):
     """output_kind="delta" with several tokens per step: the deltas concatenate to the whole."""
-    spec = engines(3)
+    spec = one_at_a_time(engines)
     loop = looping_prompt(engines)
     spec.add_request("delta", loop, greedy(30, ignore_eos=True, output_kind="delta"))
     tokens, text, per_step = [], "", []
@@ -501,3 +524,37 @@ def test_delta_outputs_add_up_to_the_final_output(engines):
     whole = run(spec, [("whole", loop, greedy(30, ignore_eos=True))])["whole"][0]
     assert tokens == whole[0] and text == whole[1]
     assert max(per_step) >= 3, "deltas of several tokens (accepted runs) happened"
+
+
+def test_max_model_len_inside_speculation(engines):
+    """A sequence that reaches max_model_len (not max_tokens) with drafts accepted up to it."""
+    spec = one_at_a_time(engines)
+    loop = looping_prompt(engines)
+    prompt = (loop * 10)[:SETTINGS["max_model_len"] - 7]
+    requests = [("model-len", prompt, greedy(100, ignore_eos=True))]
+    trace = []
+    got = run(spec, requests, trace=trace)
+    assert_same_outputs(got, run(engines(0), requests))
+    tokens, _, reason, *_ = got["model-len"][0]
+    assert len(tokens) == 7 and reason == "length"
+    assert accepted_drafts(trace, "model-len") >= 2
+
+
+def test_a_seeded_request_gives_the_same_tokens_whatever_ran_before(engines):
+    """On the default engine: the same seeded request, alone, before and after other work
+    (which moves the engine between verifying and overlapped steps), and without speculation.
+    Seeds are keyed per output token so that a seeded request is reproducible; with the accept
+    (stream 1) / redraw (stream 0) rule a token's value depends on whether its index was
+    verified as a draft or sampled plainly, so this holds only if proposals are a function of
+    the request alone."""
+    spec = engines(3)
+    loop = looping_prompt(engines)
+    params = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, top_k=2, seed=99, ignore_eos=True)
+    first_trace = []
+    first = run(spec, [("seeded", loop, params)], trace=first_trace)["seeded"]
+    rng = np.random.default_rng(8)
+    run(spec, [(f"noise-{i}", rng.integers(3, 434, size=20).tolist(),
+                SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True)) for i in range(6)])
+    second = run(spec, [("seeded", loop, params)])["seeded"]
+    assert accepted_drafts(first_trace, "seeded") > 0, "the seeded request accepted no drafts"
+    assert first == second, "a seeded request's tokens changed with what the engine ran before"
