@@ -164,19 +164,15 @@ def kept_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     return jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
 
 
-def draw_uniforms(inputs: SamplingInputs, stream: int = 0) -> jax.Array:
+def draw_uniforms(inputs: SamplingInputs) -> jax.Array:
     """f32[S]: each random row's uniform number for its output token `sample_index`, a pure
-    function of (seed, sample_index, stream); 0 for greedy rows. `stream` 0 is the draw's;
-    speculative decoding's acceptance test takes stream 1, independent of it."""
-    u = jax.vmap(functools.partial(_uniform, stream=stream))(inputs.seeds, inputs.sample_index)
+    function of (seed, sample_index); 0 for greedy rows."""
+    u = jax.vmap(_uniform)(inputs.seeds, inputs.sample_index)
     return jnp.where(inputs.temperature > 0, u, 0.0)
 
 
-def _uniform(seed: jax.Array, index: jax.Array, stream: int = 0) -> jax.Array:
-    key = jax.random.fold_in(jax.random.key(seed), index)
-    if stream:
-        key = jax.random.fold_in(key, stream)
-    return jax.random.uniform(key, (), jnp.float32)
+def _uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), index), (), jnp.float32)
 
 
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:

@@ -218,18 +218,22 @@ class Scheduler:
     def _schedule_iteration_level(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled = ScheduledBatch()
-        running = self._schedulable_running()
-        # Draft tokens only take budget every running sequence's next token leaves over.
-        draft_budget = budget - len(running)
-        for seq in running:
+        # Every running sequence's next tokens first (preempting if pages run out); only then
+        # drafts, from the budget and the free pages that leaves, so drafts never displace a
+        # sequence's own token nor cause a preemption.
+        granted_rows = []
+        for seq in self._schedulable_running():
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted to make room for an earlier sequence
             granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget))
             if granted:
-                drafts = self._drafts_to_verify(seq, min(draft_budget, budget - granted), grow=True)
-                self._grant(scheduled, seq, granted, drafts)
-                budget -= granted + len(drafts)
-                draft_budget -= len(drafts)
+                seq.step_mark = self.num_schedules  # in this step: no longer a preemption victim
+                granted_rows.append((seq, granted))
+                budget -= granted
+        for seq, granted in granted_rows:
+            drafts = self._drafts_to_verify(seq, budget, grow=True)
+            self._grant(scheduled, seq, granted, drafts)
+            budget -= len(drafts)
         self._admit_waiting(scheduled, budget)
         return scheduled
 
@@ -243,9 +247,10 @@ class Scheduler:
             return ()
         # Each accepted draft is an output token: none past the length limit.
         n = max(0, min(len(drafts), budget, self.max_len(seq) - seq.num_tokens - 1))
-        end = seq.num_computed_tokens + 1 + n  # cache positions the row fills
-        if grow and not self.allocator.grow_to(seq.page_ids, end):
-            n = max(0, min(n, len(seq.page_ids) * self.allocator.page_size - seq.num_computed_tokens - 1))
+        if grow:
+            room = (len(seq.page_ids) + self.allocator.num_free) * self.allocator.page_size
+            n = max(0, min(n, room - seq.num_computed_tokens - 1))
+            self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + 1 + n)
         return tuple(drafts[:n])
 
     def _grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
@@ -403,17 +408,18 @@ class Scheduler:
             self._admit_static_batch()
         budget = self.config.max_num_batched_tokens
         scheduled = ScheduledBatch()
-        running = self._schedulable_running()
-        draft_budget = budget - len(running)
-        for seq in running:
+        granted_rows = []
+        for seq in self._schedulable_running():
             if budget == 0:
                 break
             chunk = min(seq.num_uncomputed_tokens, budget)
+            granted_rows.append((seq, chunk))
+            budget -= chunk
+        for seq, chunk in granted_rows:  # drafts from what the rows' own tokens leave
             # Pages were reserved at admission, for the whole length drafts stay within.
-            drafts = self._drafts_to_verify(seq, min(draft_budget, budget - chunk), grow=False)
+            drafts = self._drafts_to_verify(seq, budget, grow=False)
             self._grant(scheduled, seq, chunk, drafts)
-            budget -= chunk + len(drafts)
-            draft_budget -= len(drafts)
+            budget -= len(drafts)
         return scheduled
 
     def _admit_static_batch(self) -> None:

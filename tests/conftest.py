@@ -301,6 +301,31 @@ def make_logits_engine():
     return logits_engine
 
 
+def run_to_completion(engine, requests, abort_at: dict[str, int] | None = None, max_steps: int = 5000) -> dict:
+    """Add (request id, prompt, params) requests, step until idle, aborting request r at step
+    abort_at[r]; the finished RequestOutput per request id."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    final, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for request_id, at in (abort_at or {}).items():
+            if at == steps:
+                engine.abort(request_id)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in final
+                final[out.request_id] = out
+        steps += 1
+        assert steps < max_steps
+    return final
+
+
+@pytest.fixture(scope="session")
+def run_engine():
+    """`run_to_completion(engine, requests, abort_at=None) -> {request id: final output}`."""
+    return run_to_completion
+
+
 @pytest.fixture(scope="session")
 def engine_parity():
     """`drive_engine_against_hf(engine, hf_model, rng, ...) -> stats` for parity tests (test

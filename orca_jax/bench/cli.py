@@ -585,8 +585,8 @@ def _add_spec_parser(sub) -> None:
     p.add_argument("--copy-sentences", type=_positive_int, default=None,
                    help=f"sentences of the passage to repeat (default all {d.copy_sentences})")
     p.add_argument("--random-scale", type=_positive_float, default=None,
-                   help=f"length scale of Orca's random trace (default {d.random_scale:g}: input U[16, 256], "
-                        "output U[1, 64])")
+                   help=f"length scale of Orca's random trace (default {d.random_scale:g}: input U[8, 128], "
+                        "output U[1, 32])")
     p.add_argument("--random-requests-per-slot", type=_positive_int, default=None,
                    help=f"random trace at batch B: B times this many requests, B in flight "
                         f"(default {d.random_requests_per_slot})")

@@ -4,8 +4,8 @@ Two workloads, each at batch 1, 4 and 16 (one engine per configuration at `max_n
 largest batch; a batch of B keeps B requests in flight):
 
   copy    "repeat this passage" chat prompts: the instruct model is asked to repeat, word for
-          word, a ~300-token public-domain passage (the opening of Moby-Dick) whose sentences
-          are rotated (and, past one rotation, reversed) per request, so the B requests differ.
+          word, a ~330-token public-domain passage (the Gettysburg Address) whose sentences are
+          rotated (and, past one rotation, reversed) per request, so the B requests differ.
           `copy_output_len` tokens each, greedy, EOS ignored (the passage is longer than the
           output, so the model is still copying when the length ends it).
   random  Orca's random trace (bench/trace.py: random prompt token ids, input and output
@@ -50,31 +50,31 @@ TARGET_COPY_SPEEDUP = 2.0  # n-gram over off, output tok/s, copy workload, batch
 TARGET_RANDOM_MAX_LOSS = 0.05  # n-gram against off, output tok/s, random trace, every batch size
 WORKLOADS = ("copy", "random")
 
-# Herman Melville, Moby-Dick (1851), the first two paragraphs of chapter 1: public domain.
+# Abraham Lincoln, the Gettysburg Address (1863, the Bliss copy): public domain. A passage the
+# 135M default model copies (it wanders off from some others: asked to repeat the opening of
+# Moby-Dick, it writes about Cato).
 PASSAGE_SENTENCES = (
-    "Call me Ishmael.",
-    "Some years ago -- never mind how long precisely -- having little or no money in my purse, and nothing "
-    "particular to interest me on shore, I thought I would sail about a little and see the watery part of the "
-    "world.",
-    "It is a way I have of driving off the spleen and regulating the circulation.",
-    "Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly November in my soul; "
-    "whenever I find myself involuntarily pausing before coffin warehouses, and bringing up the rear of every "
-    "funeral I meet; and especially whenever my hypos get such an upper hand of me, that it requires a strong "
-    "moral principle to prevent me from deliberately stepping into the street, and methodically knocking "
-    "people's hats off -- then, I account it high time to get to sea as soon as I can.",
-    "This is my substitute for pistol and ball.",
-    "With a philosophical flourish Cato throws himself upon his sword; I quietly take to the ship.",
-    "There is nothing surprising in this.",
-    "If they but knew it, almost all men in their degree, some time or other, cherish very nearly the same "
-    "feelings towards the ocean with me.",
-    "There now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral reefs -- "
-    "commerce surrounds it with her surf.",
-    "Right and left, the streets take you waterward.",
-    "Its extreme downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, which "
-    "a few hours previous were out of sight of land.",
-    "Look at the crowds of water-gazers there.",
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
+    "Liberty, and dedicated to the proposition that all men are created equal.",
+    "Now we are engaged in a great civil war, testing whether that nation, or any nation so conceived and so "
+    "dedicated, can long endure.",
+    "We are met on a great battle-field of that war.",
+    "We have come to dedicate a portion of that field, as a final resting place for those who here gave their "
+    "lives that that nation might live.",
+    "It is altogether fitting and proper that we should do this.",
+    "But, in a larger sense, we can not dedicate -- we can not consecrate -- we can not hallow -- this ground.",
+    "The brave men, living and dead, who struggled here, have consecrated it, far above our poor power to add or "
+    "detract.",
+    "The world will little note, nor long remember what we say here, but it can never forget what they did here.",
+    "It is for us the living, rather, to be dedicated here to the unfinished work which they who fought here have "
+    "thus far so nobly advanced.",
+    "It is rather for us to be here dedicated to the great task remaining before us -- that from these honored dead "
+    "we take increased devotion to that cause for which they gave the last full measure of devotion -- that we here "
+    "highly resolve that these dead shall not have died in vain -- that this nation, under God, shall have a new "
+    "birth of freedom -- and that government of the people, by the people, for the people, shall not perish from "
+    "the earth.",
 )
-COPY_INSTRUCTION = "Repeat the following passage exactly, word for word, with nothing before or after it:\n\n"
+COPY_INSTRUCTION = "Repeat the following passage exactly, word for word:\n\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +88,9 @@ class SpecSettings:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     rounds: int = 2
-    copy_output_len: int = 128
+    copy_output_len: int = 96
     copy_sentences: int = len(PASSAGE_SENTENCES)  # the first this many sentences of the passage
-    random_scale: float = 0.5  # Orca's lengths times this: input U[16, 256], output U[1, 64]
+    random_scale: float = 0.25  # Orca's lengths times this: input U[8, 128], output U[1, 32]
     random_requests_per_slot: int = 2  # random trace at batch B: B * this requests, B in flight
     max_num_batched_tokens: int = 256
     page_size: int = 16
@@ -208,6 +208,32 @@ class ProposeTimer:
             del self.speculation.propose  # the class's method again
 
 
+class RowCounter:
+    """Rows that emitted tokens, and the tokens, over every step postprocessed while entered
+    (wraps the scheduler's postprocess: a `step()` call may complete two steps when the engine
+    overlaps steps that do not propose)."""
+
+    def __init__(self, engine):
+        self.scheduler = engine.scheduler
+        self.rows = 0
+        self.tokens = 0
+
+    def __enter__(self):
+        real = self.scheduler.postprocess
+
+        def counting(*args, **kwargs):
+            update = real(*args, **kwargs)
+            self.rows += len({id(seq) for _, seq in update.advanced})
+            self.tokens += len(update.advanced)
+            return update
+
+        self.scheduler.postprocess = counting
+        return self
+
+    def __exit__(self, *exc):
+        del self.scheduler.postprocess
+
+
 def build_engine(s: SpecSettings, spec: dict | None, model_len: int):
     from orca_jax.engine import LLMEngine
 
@@ -228,6 +254,15 @@ def warm_up(engine, requests: dict[str, list[tuple[list[int], int]]]) -> None:
         engine.step()
 
 
+def fresh_speculation(engine) -> None:
+    """Start the run with the engine's speculation as built: its backoff to overlapped steps
+    (how long, how often it did not pay) is state a run would otherwise inherit from the
+    runs before it on the same engine, which differ in order from round to round."""
+    spec = engine.speculation
+    if spec is not None:
+        engine.speculation = type(spec)(spec.config, spec.proposer, spec.overlap_allowed)
+
+
 def counters(engine) -> tuple[int, int, int]:
     sched = engine.scheduler
     return sched.num_spec_rows, sched.num_draft_tokens, sched.num_accepted_tokens
@@ -242,13 +277,14 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
     from orca_jax.step_timing import derive
 
     n = len(requests)
+    fresh_speculation(engine)
     compiles, steps, before = compile_count(), engine.num_steps, counters(engine)
-    added, first, finish, tokens, events = {}, {}, {}, {}, 0
+    added, first, finish, tokens = {}, {}, {}, {}
     timeline = engine.timeline
     timeline.clear()
     timeline.enable()
     try:
-        with ProposeTimer(engine) as proposing:
+        with ProposeTimer(engine) as proposing, RowCounter(engine) as rows_out:
             started = time.perf_counter()
 
             def add(i):
@@ -268,7 +304,6 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
                         raise BenchmarkError(f"request {out.request_id} failed: {out.error}")
                     i = int(out.request_id.rsplit("-", 1)[1])
                     if out.outputs[0].delta_token_ids:
-                        events += 1
                         first.setdefault(i, now)
                     if out.finished:
                         finish[i], tokens[i] = now, list(out.outputs[0].token_ids)
@@ -301,7 +336,7 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
         "tpot_s": _median(tpots), "ttft_s": _median([first[i] - added[i] for i in range(n)]),
         "engine_steps": steps_taken, "tokens_per_step": emitted / steps_taken,
         "spec_rows": rows, "draft_tokens": drafted, "accepted_tokens": accepted,
-        "emitted_tokens": emitted, "sampling_rows": events,
+        "emitted_tokens": emitted, "sampling_rows": rows_out.rows, "appended_tokens": rows_out.tokens,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / rows if rows else None,
         "propose_s": proposing.seconds, "propose_calls": proposing.calls,
@@ -324,10 +359,11 @@ def compare_outputs(run: dict[str, Any], off_tokens: list[list[int]]) -> dict[st
 
 
 def check_counters(run: dict[str, Any], config: dict | None) -> None:
-    """The engine's counters agree with what the requests got: each sampling row emits one
-    token plus the drafts it accepted, drafts per row are within k, accepted within drafted."""
+    """The engine's counters agree with what the requests got: each row that sampled emits one
+    token plus the drafts it accepted (EOS is ignored and drafts stop short of the length
+    limit, so no accepted run is cut), drafts per row are within k, accepted within drafted."""
     k = config["num_speculative_tokens"] if config else 0
-    ok = (run["emitted_tokens"] == run["accepted_tokens"] + run["sampling_rows"] if config else True) and \
+    ok = run["emitted_tokens"] == run["appended_tokens"] == run["accepted_tokens"] + run["sampling_rows"] and \
         0 <= run["accepted_tokens"] <= run["draft_tokens"] <= k * run["spec_rows"] and \
         run["spec_rows"] <= run["sampling_rows"]
     if not ok:
@@ -366,8 +402,7 @@ def run_spec(s: SpecSettings, command: str = "", progress=print) -> dict[str, An
         engine_info = {"token_buckets": list(engine.config.token_buckets), "num_pages": engine.allocator.num_pages,
                        "attention_impl": engine.attention_impl, "dtype": engine.config.dtype,
                        "max_model_len": engine.config.max_model_len, "max_num_seqs": engine.config.max_num_seqs,
-                       "async_scheduling": {label: e.config.async_scheduling and e.speculation is None
-                                            for label, e in engines.items()},
+                       "async_scheduling": {label: e.config.async_scheduling for label, e in engines.items()},
                        "build_s": {label: e.startup_timings.get("startup_s") for label, e in engines.items()},
                        "jax_backend": jax.default_backend()}
     finally:
@@ -431,7 +466,7 @@ def measure(engines, configs, requests, s: SpecSettings, progress) -> list[dict[
 
 _SUMMED = ("output_tokens_per_s", "tpot_s", "ttft_s", "throughput_ratio", "tpot_ratio", "duration_s", "engine_steps",
            "tokens_per_step", "spec_rows", "draft_tokens", "accepted_tokens", "emitted_tokens", "sampling_rows",
-           "acceptance_rate", "mean_acceptance_length", "propose_s", "device_busy_s", "device_idle_s",
+           "acceptance_rate", "mean_acceptance_length", "propose_s", "propose_calls", "device_busy_s", "device_idle_s",
            "scheduled_tokens", "host_s")
 
 
@@ -497,7 +532,7 @@ def format_report(record: dict[str, Any]) -> str:
     s = record["settings"]
     lines = [f"speculative decoding, {record['model']}: {record['sampling']}, {s['rounds']} rounds by turns, "
              f"medians; x off = ratio to the off run of the same round; draft = {record['draft_model']}"]
-    lines.append("| workload | batch | config | out tok/s | x off | TPOT ms | x off | steps | drafted | accepted | "
+    lines.append("| workload | batch | config | out tok/s | x off | TPOT ms | x off | steps (proposing) | drafted | accepted | "
                  "emitted | mean acc. len | acc. rate | propose ms/step | device busy s | device idle s | "
                  "same as off |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -505,9 +540,10 @@ def format_report(record: dict[str, Any]) -> str:
         for batch, by_config in by_batch.items():
             for label, c in by_config.items():
                 spec = label != "off"
+                steps = f"{c['engine_steps']:.0f}" + (f" ({c['propose_calls']:.0f})" if spec else "")
                 lines.append(
                     f"| {workload} | {batch} | {label} | {c['output_tokens_per_s']:.1f} | {c['throughput_ratio']:.2f} | "
-                    f"{_ms(c['tpot_s'])} | {_fmt(c['tpot_ratio'], 2)} | {c['engine_steps']:.0f} | "
+                    f"{_ms(c['tpot_s'])} | {_fmt(c['tpot_ratio'], 2)} | {steps} | "
                     f"{c['draft_tokens']:.0f} | {c['accepted_tokens']:.0f} | {c['emitted_tokens']:.0f} | "
                     f"{_fmt(c['mean_acceptance_length'], 2) if spec else '-'} | "
                     f"{_fmt(c['acceptance_rate'], 2) if spec else '-'} | "

@@ -109,7 +109,10 @@ class DraftModelProposer:
             seq.slot_joined = True
             shadow = self.shadows[target.seq_id] = _Shadow(seq, target)
         seq = shadow.seq
-        seq.num_computed_tokens = min(seq.num_computed_tokens, shadow.fed_from + self._kept_drafts(shadow))
+        # Its cache holds what the target kept of the drafts it fed; the last token is always
+        # fed again (its logits give the first draft), so at least one token is uncomputed.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, shadow.fed_from + self._kept_drafts(shadow),
+                                      target.num_tokens - 1)
         shadow.fed_drafts = ()
         # Positions fed: the uncomputed tokens, then limit - 1 drafts (the last is not fed).
         if not self.allocator.grow_to(seq.page_ids, target.num_tokens + limit - 1):
@@ -137,7 +140,7 @@ class DraftModelProposer:
             for shadow in todo:
                 seq = shadow.seq
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if n == 0:
+                if n == 0:  # the budget ran out: next step
                     rest.append(shadow)
                     continue
                 start = seq.num_computed_tokens

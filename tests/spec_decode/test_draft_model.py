@@ -23,20 +23,13 @@ def greedy(max_tokens=24, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def run(engine, requests, abort_at: dict[str, int] | None = None) -> dict:
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    final, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for request_id, at in (abort_at or {}).items():
-            if at == steps:
-                engine.abort(request_id)
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = [(c.token_ids, c.finish_reason) for c in out.outputs]
-        steps += 1
-        assert steps < 2000
-    return final
+@pytest.fixture(scope="module")
+def run(run_engine):
+    """Run requests to the end: per request id, (token ids, finish reason) per sample."""
+    def run_reduced(engine, requests, abort_at=None):
+        final = run_engine(engine, requests, abort_at)
+        return {rid: [(c.token_ids, c.finish_reason) for c in out.outputs] for rid, out in final.items()}
+    return run_reduced
 
 
 def assert_all_returned(engine) -> None:
@@ -68,7 +61,7 @@ def engines(tiny_engine_factory, tiny_llama_factory):
     }
 
 
-def test_the_target_as_its_own_draft_is_accepted_whole(engines):
+def test_the_target_as_its_own_draft_is_accepted_whole(engines, run):
     before = engines["self"].scheduler.num_draft_tokens
     greedy_only = [r for r in WORKLOAD if r[2].temperature == 0]
     assert run(engines["self"], greedy_only) == run(engines["off"], greedy_only)
@@ -80,7 +73,7 @@ def test_the_target_as_its_own_draft_is_accepted_whole(engines):
     assert_all_returned(engines["self"])
 
 
-def test_another_model_gives_the_same_greedy_tokens(engines):
+def test_another_model_gives_the_same_greedy_tokens(engines, run):
     engine = engines["other"]
     drafted, accepted = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
     greedy_only = [r for r in WORKLOAD if r[2].temperature == 0]
@@ -90,7 +83,7 @@ def test_another_model_gives_the_same_greedy_tokens(engines):
     assert_all_returned(engine)
 
 
-def test_seeded_sampling_is_reproducible_and_aborts_return_everything(engines):
+def test_seeded_sampling_is_reproducible_and_aborts_return_everything(engines, run):
     engine = engines["other"]
     first = run(engine, WORKLOAD)
     assert run(engine, WORKLOAD) == first
@@ -100,7 +93,7 @@ def test_seeded_sampling_is_reproducible_and_aborts_return_everything(engines):
     assert_all_returned(engine)
 
 
-def test_a_pool_that_preempts_keeps_greedy_parity(engines):
+def test_a_pool_that_preempts_keeps_greedy_parity(engines, run):
     spec = engines["self"]
     preempted = spec.scheduler.num_preemptions
     requests = [(f"p{i}", [3 + i, 40, 41, 3 + i, 40] * 4, greedy(40)) for i in range(4)]
@@ -109,6 +102,26 @@ def test_a_pool_that_preempts_keeps_greedy_parity(engines):
     assert_all_returned(spec)
 
 
-def test_no_compiles_after_warmup(engines):
+def test_no_compiles_after_warmup(engines, run):
     with no_compiles("draft-model speculative decoding"):
         run(engines["self"], WORKLOAD)
+
+
+def test_a_target_that_took_its_first_draft_without_verifying_still_gets_a_proposal(engines):
+    """The target decoded one token on its own (drafts cut by the budget, or an overlapped
+    step), and it was the first draft the shadow had fed: the shadow's cache then covers every
+    token, yet its last token is fed again, since its logits give the next draft."""
+    from orca_jax.sequence import Sequence, SequenceStatus
+
+    proposer = engines["self"].speculation.proposer
+    target = Sequence(10_000, "direct", 0, [5, 17, 33, 5, 17], greedy(), seed=0)
+    target.status = SequenceStatus.RUNNING
+    first = proposer.propose([target], [3])[0]
+    assert len(first) == 3
+    target.output_token_ids.append(first[0])
+    second = proposer.propose([target], [3])[0]
+    # The target as its own draft: the continuation goes on where the first proposal did.
+    assert second[:2] == first[1:]
+    target.status = SequenceStatus.FINISHED
+    proposer.release_finished()
+    assert not proposer.shadows and proposer.allocator.num_free == proposer.allocator.num_usable

@@ -12,6 +12,7 @@ exactly `sampling.sample`'s token for its (seed, sample_index).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -269,10 +270,10 @@ def test_the_plain_sampler_gives_the_same_distribution_on_the_same_seeds():
         plain = plain_sample(logits[layout.offsets], jax.tree.map(lambda x: x[layout.offsets], inputs))
         assert_distributed_as(plain, p, f"plain sampler {sampling}")
         assert_distributed_as(first, p, f"verified {sampling}")
-        assert not np.array_equal(plain, first), "acceptance takes its own uniform numbers"
     logits, inputs, layout = one_draft_rows(6, BASE_LOGITS, "plain-impossible-draft", temperature=1.0, top_k=3)
     first = verify(logits, inputs, layout).tokens[layout.offsets]
-    assert np.array_equal(first, plain_sample(logits[layout.offsets], jax.tree.map(lambda x: x[layout.offsets], inputs)))
+    plain = plain_sample(logits[layout.offsets], jax.tree.map(lambda x: x[layout.offsets], inputs))
+    assert np.array_equal(first, plain)
 
 
 def test_two_drafts_each_position_follows_its_own_distribution():
@@ -309,7 +310,7 @@ def mixed_random_case():
     logits = np.random.default_rng(11).normal(0, 1.0, (L, V)).astype(np.float32)
     row = layout.row_of
     inputs = sampling_inputs(
-        L, temperature=np.where(row % 3 == 2, 0.0, 0.9)[:], top_k=np.where(row == 3, 4, 0),
+        L, temperature=np.where(np.isin(row, [2, 4]), 0.0, 0.9), top_k=np.where(row == 3, 4, 0),
         top_p=np.where(row == 5, 0.8, 1.0), seeds=100 + row, sample_index=3 * row + within_row_index(layout))
     return logits, inputs, layout
 
@@ -320,13 +321,26 @@ def test_same_inputs_same_outputs_whatever_shares_the_batch():
     again = verify(logits, inputs, layout)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
         assert np.array_equal(a, b)
-    # Row 5 alone (its positions, seeds and indices) verifies to the same tokens.
-    r = 5
-    positions = np.flatnonzero(layout.row_of == r)[: 1 + 4]
-    alone = verify_layout([[7, 1, 2, 5]])
-    solo = verify(logits[positions], jax.tree.map(lambda x: x[positions], inputs), alone)
-    assert solo.num_accepted[0] == first.num_accepted[r]
-    assert emitted(solo, alone, 0) == emitted(first, layout, r)
+    # Each random row with drafts, alone (its positions, seeds and indices), verifies to the same tokens.
+    for r, drafts in ((0, [1, 2, 3]), (3, [4, 4]), (5, [7, 1, 2, 5])):
+        positions = np.flatnonzero(layout.row_of == r)[:1 + len(drafts)]
+        alone = verify_layout([drafts])
+        solo = verify(logits[positions], jax.tree.map(lambda x: x[positions], inputs), alone)
+        assert solo.num_accepted[0] == first.num_accepted[r]
+        assert emitted(solo, alone, 0) == emitted(first, layout, r)
+
+
+def mixed_rows(M: int, seed: int) -> tuple[np.ndarray, SamplingInputs]:
+    """M rows of random logits, a quarter each greedy, plain, top-k and top-p, with random
+    seeds and sample indices."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 1.5, (M, V)).astype(np.float32)
+    kind = np.arange(M) % 4
+    inputs = sampling_inputs(M, temperature=np.where(kind == 0, 0.0, 0.7 + 0.2 * kind),
+                             top_k=np.where(kind == 2, 3, 0), top_p=np.where(kind == 3, 0.75, 1.0),
+                             seeds=rng.integers(0, 2**32, M, dtype=np.uint64).astype(np.uint32),
+                             sample_index=rng.integers(0, 500, M))
+    return logits, inputs
 
 
 def test_a_position_without_a_draft_draws_the_plain_samplers_token():
@@ -334,13 +348,29 @@ def test_a_position_without_a_draft_draws_the_plain_samplers_token():
     sample_index (greedy, plain and truncated rows, 2,000 seeds)."""
     M = 2000
     layout = verify_layout([[]] * M)
-    rng = np.random.default_rng(5)
-    logits = rng.normal(0, 1.5, (M, V)).astype(np.float32)
-    kind = np.arange(M) % 4
-    inputs = sampling_inputs(M, temperature=np.where(kind == 0, 0.0, 0.7 + 0.2 * kind),
-                             top_k=np.where(kind == 2, 3, 0), top_p=np.where(kind == 3, 0.75, 1.0),
-                             seeds=rng.integers(0, 2**32, M, dtype=np.uint64).astype(np.uint32),
-                             sample_index=rng.integers(0, 500, M))
+    logits, inputs = mixed_rows(M, seed=5)
     verified = verify(logits, inputs, layout)
     assert np.array_equal(verified.tokens, plain_sample(logits, inputs))
     assert not verified.num_accepted.any()
+
+
+def test_every_position_draws_the_plain_samplers_token_whatever_its_draft():
+    """The coupling: with drafts (some right, some wrong) every position's token is still
+    exactly `sample`'s for its seed and index, and a draft is accepted iff it equals that token.
+    So a seeded request's tokens do not depend on what was proposed."""
+    M = 2000
+    logits, inputs = mixed_rows(M, seed=6)
+    rng = np.random.default_rng(7)
+    plain = plain_sample(logits, inputs)
+    # One draft per row (two positions each): half the drafts are the plain token.
+    drafts = np.where(rng.random(M) < 0.5, plain, (plain + 1) % V)
+    layout = verify_layout([[int(d)] for d in drafts])
+    rows = np.asarray(layout.row_of)
+    first = np.asarray(layout.offsets)
+    per_position = jax.tree.map(lambda x: np.asarray(x)[rows], inputs)
+    per_position = dataclasses.replace(per_position, sample_index=per_position.sample_index
+                                       + (np.arange(rows.shape[0]) - first[rows]))
+    position_logits = logits[rows]
+    verified = verify(position_logits, per_position, layout)
+    assert np.array_equal(verified.tokens, plain_sample(position_logits, per_position))
+    assert np.array_equal(verified.num_accepted, (drafts == plain).astype(np.int32))

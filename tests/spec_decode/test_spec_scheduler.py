@@ -88,7 +88,7 @@ def test_drafts_take_only_the_budget_left_after_every_sequences_next_token():
     assert all(s.draft_token_ids == [] for s in (a, b, c)), "a proposal is used up, cut or not"
 
 
-def test_a_prefill_keeps_at_least_one_token_and_waiting_requests_wait():
+def test_drafts_never_shrink_a_prefill_chunk_and_waiting_requests_wait():
     sched = make_scheduler(k=16, max_num_batched_tokens=16)
     a, d = make_seq(0, 3), make_seq(1, 40)
     decoding(sched, a)
@@ -99,8 +99,8 @@ def test_a_prefill_keeps_at_least_one_token_and_waiting_requests_wait():
     sched.add(late)
     a.draft_token_ids = list(range(100, 116))
     scheduled = sched.schedule()
-    # 16 - 2 sequences' own tokens = 14 drafts; d's chunk shrinks to its one token.
-    assert scheduled == [(a, 15), (d, 1)] and len(scheduled.drafts[0]) == 14
+    # Certain work before speculative work: a's token and d's 15-token chunk fill the budget.
+    assert scheduled == [(a, 1), (d, 15)] and scheduled.drafts[0] == ()
     assert late.status is SequenceStatus.WAITING
 
 
@@ -157,7 +157,8 @@ def test_drafts_never_take_the_page_another_sequence_needs_for_its_next_token():
     a.draft_token_ids = [11, 12, 13]
     scheduled = sched.schedule()
     assert sched.num_preemptions == 0 and b.status is SequenceStatus.RUNNING, \
-        f"a's drafts took the page b needed for its next token, and b was preempted: {scheduled}, drafts {scheduled.drafts}"
+        f"a's drafts took the page b needed for its next token, and b was preempted: {scheduled}, " \
+        f"drafts {scheduled.drafts}"
     assert scheduled == [(a, 2), (b, 1)] and scheduled.drafts == [(11,), ()]
 
 
