@@ -229,7 +229,8 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
                 row_flags=np.zeros(S, np.int32), sample_index=np.zeros(S, np.int32), top_k=np.zeros(S, np.int32),
                 seeds=np.arange(S, dtype=np.uint32), sampling=sampling, page_writes=page_writes,
                 num_seqs=np.array([num_rows], np.int32),
-                token_bitmask=np.array(all_allowed_bitmask(S, config.vocab_size)))  # no constrained row
+                token_bitmask=np.array(all_allowed_bitmask(S, config.vocab_size)),  # no constrained row
+                row_drafts=np.zeros(S, np.int32))  # no speculation
 
 
 def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int = 0):
