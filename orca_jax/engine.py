@@ -315,7 +315,7 @@ class LLMEngine:
         self._finished_outside_step.clear()
         self.last_step = None  # set again only if a step completes
         self._start_compiled_grammars(touched)
-        proposing = self.speculation is not None and self.speculation.proposing
+        proposing = self.speculation is not None and self.speculation.proposes_for(len(self.scheduler.running))
         if self.scheduler.num_guided_running or proposing:
             # A grammar's mask, and a proposal, need the tokens before them on the host: steps
             # in flight complete first, so steps run one at a time.

@@ -36,6 +36,10 @@ class SpeculativeConfig:
     # text that does not repeat costs no verification rows.
     backoff_after: int = 2
     backoff_steps: int = 4
+    # vLLM's disable_by_batch_size: no proposals while more sequences than this run. Where a
+    # step's cost grows with its tokens (a CPU at batch 16: docs/benchmarks.md), verifying
+    # drafts for many sequences costs more than it saves. None: no limit.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         errors = []
@@ -51,6 +55,9 @@ class SpeculativeConfig:
         for name in ("backoff_after", "backoff_steps"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 errors.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            errors.append(f"disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
         if self.model is not None and not isinstance(self.model, str):
             errors.append(f"model must be a string, got {type(self.model).__name__}")
         if errors:

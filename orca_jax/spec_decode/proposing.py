@@ -65,8 +65,15 @@ class Speculation:
 
     @property
     def proposing(self) -> bool:
-        """Whether the next step proposes (and so runs one at a time)."""
+        """Whether the next step proposes (and so runs one at a time), batch size aside."""
         return self.overlap_steps_left == 0
+
+    def proposes_for(self, num_running: int) -> bool:
+        """Whether the next step, with `num_running` sequences running, proposes: not while
+        backing off, nor above `disable_by_batch_size` (then steps overlap as without
+        speculation)."""
+        limit = self.config.disable_by_batch_size
+        return self.proposing and (limit is None or num_running <= limit)
 
     def propose(self, running: list[Sequence], max_len: Callable[[Sequence], int]) -> int:
         """Give each running sequence that decodes next its drafts (`Sequence.draft_token_ids`).

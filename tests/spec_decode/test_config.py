@@ -46,3 +46,9 @@ def test_logits_rows_cover_one_position_per_token_at_most():
     assert [plain.logits_rows(t) for t in (8, 16, 64)] == [8, 8, 8]
     # Rows of 1 + 3 positions, never more positions than the bucket has tokens.
     assert [spec.logits_rows(t) for t in (8, 16, 64)] == [8, 16, 32]
+
+
+def test_disable_by_batch_size_is_a_positive_integer_or_none():
+    assert SpeculativeConfig.from_value({"disable_by_batch_size": 8}).disable_by_batch_size == 8
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig.from_value({"disable_by_batch_size": 0})

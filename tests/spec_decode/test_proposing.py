@@ -125,3 +125,11 @@ def test_ngram_histories_follow_appended_tokens_and_are_dropped_when_finished():
     seq.status = SequenceStatus.FINISHED
     proposer.release_finished()
     assert not proposer._histories
+
+
+def test_no_proposals_above_disable_by_batch_size():
+    config = SpeculativeConfig("ngram", disable_by_batch_size=2)
+    spec = Speculation(config, Recorder(), overlap_allowed=True)
+    assert spec.proposes_for(1) and spec.proposes_for(2) and not spec.proposes_for(3)
+    spec.record([], 3)  # an overlapped step (nothing proposed before it) changes nothing
+    assert spec.proposes_for(2)
