@@ -550,11 +550,6 @@ def cmd_spec(args) -> int:
     return 0
 
 
-def _ks(text: str) -> tuple[int, ...]:
-    """Comma-separated speculative token counts; empty for none."""
-    return _sizes(text)
-
-
 def _add_spec_parser(sub) -> None:
     from orca_jax.bench.spec import WORKLOADS, SpecSettings
 
@@ -572,10 +567,10 @@ def _add_spec_parser(sub) -> None:
                         % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--workloads", type=_names, default=None,
                    help=f"comma-separated among {','.join(WORKLOADS)} (default both)")
-    p.add_argument("--ngram-k", type=_ks, default=None,
+    p.add_argument("--ngram-k", type=_sizes, default=None,
                    help="n-gram num_speculative_tokens, one engine each; '' for none (default %s)"
                         % ",".join(map(str, d.ngram_k)))
-    p.add_argument("--draft-k", type=_ks, default=None,
+    p.add_argument("--draft-k", type=_sizes, default=None,
                    help="draft-model num_speculative_tokens, one engine each; '' for none (default %s)"
                         % ",".join(map(str, d.draft_k)))
     p.add_argument("--rounds", type=_positive_int, default=None,

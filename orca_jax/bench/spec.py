@@ -10,7 +10,8 @@ largest batch; a batch of B keeps B requests in flight):
           output, so the model is still copying when the length ends it).
   random  Orca's random trace (bench/trace.py: random prompt token ids, input and output
           lengths uniform, at `random_scale`), greedy, EOS ignored; at batch B the first
-          `random_requests_per_slot * B` requests of one trace, closed loop with B in flight.
+          `random_requests_per_slot * B` requests of one trace (drawn for the largest batch),
+          closed loop with B in flight: the next request joins as soon as one finishes.
 
 Configurations: speculation off (the engine's default, async scheduling), n-gram with
 k = `ngram_k` (3 and 5) and the draft-model proposer with k = `draft_k` (3) whose draft is the
@@ -19,6 +20,9 @@ draft costs a full model step per token, its speed is not the point). Every engi
 once, alike but for `speculative_config` (prefix caching off: a round must not find the
 prompts of the round before cached); then for `rounds` rounds every (workload, batch) runs all
 configurations by turns, the order flipped every round, so the machine's noise hits each alike.
+A step that proposes runs alone (the proposal needs the last token on the host); the engine
+falls back to overlapped steps while speculation does not pay, and that backoff starts afresh
+in every run (`fresh_speculation`), so a run does not inherit it from the runs before it.
 
 Per run: output tokens/s over the run; TPOT, the median over requests of (last token time -
 first token time) / (tokens - 1), stamped when `engine.step()` returns; steps; the engine's
