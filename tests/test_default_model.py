@@ -109,21 +109,19 @@ def ngram_llm():
 
 
 def test_ngram_speculation_gives_the_same_greedy_tokens(llm, ngram_llm):
-    """The real model through speculative decoding: a copy request (most drafts accepted, runs
-    of several tokens per step) next to the chats, token-identical to the engine without it."""
+    """The real model through speculative decoding: a copy request (drafts accepted, runs of
+    several tokens per step) next to the chats, token-identical to the engine without it."""
     tokenizer = llm.get_tokenizer()
     passage = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
     copy = [{"role": "user", "content": f"Repeat this sentence exactly, twice: {passage}"}]
     prompts = [_chat_ids(tokenizer, m) for m in [copy, *CONVERSATIONS[:2]]]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    steps_before = llm.engine.num_steps
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    plain_steps = llm.engine.num_steps - steps_before
     scheduler = ngram_llm.engine.scheduler
     spec = [o.outputs[0].token_ids for o in ngram_llm.generate(prompts, params, use_tqdm=False)]
     assert spec == plain
     # Measured: 16 of 48 drafts accepted (the model paraphrases its chats, copies the passage).
     assert scheduler.num_accepted_tokens >= 10, (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
-    # Accepted runs emitted several tokens per step: fewer steps for the same tokens.
-    assert ngram_llm.engine.num_steps < plain_steps
+    # (Step counts are not compared: the chats, which accept few drafts, set how many steps
+    # the batch takes.)
     assert ngram_llm.engine.allocator.num_used == 0
