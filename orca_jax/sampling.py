@@ -81,15 +81,6 @@ for _cls in (SampleOutput, TokenCounts):
 def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts: TokenCounts) -> SampleOutput:
     """logits f32[S, V] -> SampleOutput."""
     raw_logits = logits.astype(jnp.float32)
-    logits = constrained_logits(raw_logits, inputs, counts)
-    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
-    logprobs, top_logprobs, top_ids = token_logprobs(raw_logits, tokens, inputs, max_logprobs)
-    return SampleOutput(tokens, logprobs, top_ids, top_logprobs)
-
-
-def constrained_logits(raw_logits: jax.Array, inputs: SamplingInputs, counts: TokenCounts) -> jax.Array:
-    """The logits a row samples from: penalties applied, then its grammar's mask (each only
-    when a row of the batch asks)."""
     uses_penalties = jnp.any(
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
@@ -97,16 +88,12 @@ def constrained_logits(raw_logits: jax.Array, inputs: SamplingInputs, counts: To
     if inputs.token_bitmask is not None:
         logits = jax.lax.cond(jnp.any(inputs.guided), apply_token_bitmask, lambda l, *_: l, logits,
                               inputs.token_bitmask, inputs.guided)
-    return logits
-
-
-def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, inputs: SamplingInputs, max_logprobs: int):
-    """(log-probability of each row's token, top log-probabilities, their ids) of the raw
-    distribution, in the rows that want them (zeros elsewhere, and everywhere when none does)."""
+    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
     k = max(1, max_logprobs)
-    return jax.lax.cond(
+    token_logprobs, top_logprobs, top_ids = jax.lax.cond(
         jnp.any(inputs.want_logprobs), functools.partial(_logprobs, k=k), functools.partial(_no_logprobs, k=k),
         raw_logits, tokens, inputs.want_logprobs)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -147,13 +134,6 @@ def draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """Tokens of a batch with at least one random row. Random rows draw from softmax(logits / T)
     over their kept set; greedy rows keep only their maximum and draw at u = 0, which picks its
     first occurrence, so they get exactly `greedy`'s token."""
-    return inverse_cdf(kept_weights(logits, inputs), draw_uniforms(inputs))
-
-
-def kept_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """f32[S, V] >= 0: each row's distribution before normalisation. A random row's
-    softmax(logits / T) numerators over its kept set (top-k, top-p, min-p); a greedy row's
-    maximum (weight 1 at each tied maximum)."""
     is_random = inputs.temperature > 0
     scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
     row_max = scaled.max(axis=-1)
@@ -161,14 +141,9 @@ def kept_weights(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     cutoffs = jax.lax.cond(jnp.any(truncating), truncation_cutoffs,
                            lambda x, *_: jnp.full(x.shape[:1], -jnp.inf), scaled, row_max, inputs, truncating)
     cutoffs = jnp.where(is_random, jnp.minimum(cutoffs, row_max), row_max)
-    return jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
-
-
-def draw_uniforms(inputs: SamplingInputs) -> jax.Array:
-    """f32[S]: each random row's uniform number for its output token `sample_index`, a pure
-    function of (seed, sample_index); 0 for greedy rows."""
-    u = jax.vmap(_uniform)(inputs.seeds, inputs.sample_index)
-    return jnp.where(inputs.temperature > 0, u, 0.0)
+    weights = jnp.where(scaled >= cutoffs[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
+    u = jnp.where(is_random, jax.vmap(_uniform)(inputs.seeds, inputs.sample_index), 0.0)
+    return inverse_cdf(weights, u)
 
 
 def _uniform(seed: jax.Array, index: jax.Array) -> jax.Array:

@@ -230,12 +230,19 @@ class Scheduler:
                 seq.step_mark = self.num_schedules  # in this step: no longer a preemption victim
                 granted_rows.append((seq, granted))
                 budget -= granted
-        for seq, granted in granted_rows:
-            drafts = self._drafts_to_verify(seq, budget, grow=True)
-            self._grant(scheduled, seq, granted, drafts)
-            budget -= len(drafts)
+        budget = self._grant_with_drafts(scheduled, granted_rows, budget, grow=True)
         self._admit_waiting(scheduled, budget)
         return scheduled
+
+    def _grant_with_drafts(self, scheduled: ScheduledBatch, granted_rows: list[tuple[Sequence, int]], budget: int,
+                           *, grow: bool) -> int:
+        """Add the rows whose own tokens are granted, each with the drafts the budget left after
+        all of them allows (in row order); returns the budget left."""
+        for seq, granted in granted_rows:
+            drafts = self._drafts_to_verify(seq, budget, grow=grow)
+            self._grant(scheduled, seq, granted, drafts)
+            budget -= len(drafts)
+        return budget
 
     def _drafts_to_verify(self, seq: Sequence, budget: int, *, grow: bool) -> tuple[int, ...]:
         """The proposed draft tokens of a decoding sequence this step verifies: as many as the
@@ -415,11 +422,8 @@ class Scheduler:
             chunk = min(seq.num_uncomputed_tokens, budget)
             granted_rows.append((seq, chunk))
             budget -= chunk
-        for seq, chunk in granted_rows:  # drafts from what the rows' own tokens leave
-            # Pages were reserved at admission, for the whole length drafts stay within.
-            drafts = self._drafts_to_verify(seq, budget, grow=False)
-            self._grant(scheduled, seq, chunk, drafts)
-            budget -= len(drafts)
+        # Pages were reserved at admission, for the whole length drafts stay within.
+        self._grant_with_drafts(scheduled, granted_rows, budget, grow=False)
         return scheduled
 
     def _admit_static_batch(self) -> None:

@@ -26,26 +26,24 @@ target's raw ones of each position's token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from orca_jax.batch import SamplingInputs, VerifyLayout
-from orca_jax.sampling import SampleOutput, TokenCounts, constrained_logits, draw, greedy, token_logprobs
+from orca_jax.sampling import SampleOutput, TokenCounts, sample
 
 
 def verify_drafts(logits: jax.Array, inputs: SamplingInputs, layout: VerifyLayout, num_rows: int,
                   max_logprobs: int, counts: TokenCounts) -> SampleOutput:
-    """logits f32[L, V] at the step's output positions, `inputs` per position -> SampleOutput
-    with per-position tokens and log-probs, and `num_accepted` i32[num_rows]."""
-    raw_logits = logits.astype(jnp.float32)
-    # Rows with penalties or a grammar do not speculate (the scheduler gives them no drafts),
-    # so these apply to single positions exactly as in the plain sampler.
-    logits = constrained_logits(raw_logits, inputs, counts)
-    tokens = jax.lax.cond(jnp.any(inputs.temperature > 0), draw, lambda l, _: greedy(l), logits, inputs)
+    """logits f32[L, V] at the step's output positions, `inputs` per position -> the plain
+    sampler's SampleOutput per position, with `num_accepted` i32[num_rows]. (Rows with
+    penalties or a grammar get no drafts, so the sampler treats their one position as ever.)"""
+    out = sample(logits, inputs, max_logprobs, counts)
     has_draft = layout.draft_tokens >= 0
-    num_accepted = accepted_prefix(has_draft, layout.draft_tokens == tokens, layout, num_rows)
-    logprobs, top_logprobs, top_ids = token_logprobs(raw_logits, tokens, inputs, max_logprobs)
-    return SampleOutput(tokens, logprobs, top_ids, top_logprobs, num_accepted=num_accepted)
+    num_accepted = accepted_prefix(has_draft, layout.draft_tokens == out.tokens, layout, num_rows)
+    return dataclasses.replace(out, num_accepted=num_accepted)
 
 
 def accepted_prefix(has_draft: jax.Array, accepted: jax.Array, layout: VerifyLayout, num_rows: int) -> jax.Array:
