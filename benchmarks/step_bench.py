@@ -3,6 +3,7 @@
     python benchmarks/step_bench.py                          # batches 64 and 256, context 1024
     python benchmarks/step_bench.py --batch-sizes 64,256 --context 2048 --json step_bench.json
     python benchmarks/step_bench.py --modes sync --no-reference  # one engine only
+    python benchmarks/step_bench.py --quantization int8 --kv-cache-dtype int8 --modes async --no-reference
 
 A Llama-3.2-1B-shaped model (16 layers, 32 query / 8 KV heads, head_dim 64, vocabulary 128256,
 tied embeddings) with random bfloat16 weights, written as a safetensors checkpoint so the real
@@ -23,6 +24,11 @@ Roofline: a decode step must read every weight once (the tied embedding once, as
 and every sequence's K/V for every layer, so its floor is (weight bytes + KV bytes) / copy
 bandwidth, the copy measured on the same GPU. Target (issue 3): 60% of the roofline's
 tokens/s. The same steps also run with attention_impl="reference" for the ratio the kernel buys.
+
+Quantized (issue 18): `--quantization int8|fp8` and `--kv-cache-dtype int8|fp8_e4m3` run the
+same steps on 8-bit weights / cache; the roofline then counts the bytes the engine really holds
+(its weights' nbytes, the cache's bytes per token with their scales), so "share of roofline"
+says whether the dequantization hides behind the weight reads.
 
 Without a GPU it exits with status 2 and says so.
 """
@@ -124,8 +130,19 @@ def engine_runs(modes: list[str], with_reference: bool) -> list[tuple[str, str]]
     return [("auto", mode) for mode in modes] + ([("reference", "sync")] if with_reference else [])
 
 
+def held_weight_bytes(engine) -> int:
+    """Bytes of the weights as the engine holds them (8-bit values and their scales when quantized)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params))
+
+
+def held_kv_bytes_per_token(engine) -> float:
+    runner = engine.runner
+    return runner.kv_cache.nbytes / (runner.num_pages * engine.config.page_size)
+
+
 def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float, modes: list[str],
-        with_reference: bool = True, on_row=lambda row: None) -> list[dict]:
+        with_reference: bool = True, on_row=lambda row: None, quantization: str | None = None,
+        kv_cache_dtype: str = "auto") -> list[dict]:
     from orca_jax.compile_guard import no_compiles
     from orca_jax.engine import LLMEngine
 
@@ -138,15 +155,19 @@ def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float, mo
         engine = LLMEngine(model=str(path), dtype="bfloat16", attention_impl=impl, max_num_seqs=max(batch_sizes),
                            max_num_batched_tokens=budget, max_model_len=pages_per_seq * 16,
                            page_size=16, num_pages=max(batch_sizes) * pages_per_seq + 1,
-                           async_scheduling=mode == "async")
+                           async_scheduling=mode == "async", quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype)
+        weights, kv_per_token = held_weight_bytes(engine), held_kv_bytes_per_token(engine)
         with no_compiles(f"decode steps ({impl}, {mode})"):
             for batch in batch_sizes:
                 timed = time_decode_steps(engine, batch, context)
                 step_s = timed.pop("median_step_s")
                 mean_context = timed.pop("mean_context")
-                moved = weight_bytes(LLAMA_3_2_1B) + batch * mean_context * kv_bytes_per_token(LLAMA_3_2_1B)
+                moved = weights + batch * mean_context * kv_per_token
                 roofline_tps = batch / (moved / (copy_gbs * 1e9))
                 row = {"attention_impl": engine.attention_impl, "mode": mode, "batch": batch,
+                       "quantization": engine.model_config.quantization, "kv_dtype": engine.runner.kv_dtype.name,
+                       "weight_bytes": weights, "kv_bytes_per_token": kv_per_token,
                        "prompt_tokens": context, "mean_context_tokens": mean_context, "median_step_ms": step_s * 1e3,
                        "tokens_per_s": batch / step_s, "roofline_tokens_per_s": roofline_tps,
                        "share_of_roofline": batch / step_s / roofline_tps, **timed}
@@ -171,11 +192,14 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--modes", type=_modes, default=["sync", "async"], help="sync and/or async (default both)")
     parser.add_argument("--no-reference", action="store_true", help="skip the attention reference engine")
+    parser.add_argument("--quantization", default=None, choices=("int8", "fp8"), help="8-bit weights")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 here), int8, fp8_e4m3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     require_gpu()
     report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "model": "Llama-3.2-1B shapes, random bfloat16 weights", "modes": args.modes,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "weight_bytes": weight_bytes(LLAMA_3_2_1B), "copy_gbs": copy_bandwidth_gbs(),
               "switch_interval_s": SWITCH_INTERVAL_S, "rows": []}
 
@@ -191,12 +215,14 @@ def main(argv=None) -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             run(Path(tmp), [int(b) for b in args.batch_sizes.split(",")], args.context, report["copy_gbs"],
-                args.modes, with_reference=not args.no_reference, on_row=write)
+                args.modes, with_reference=not args.no_reference, on_row=write, quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype)
     finally:
         sys.setswitchinterval(previous)
     for row in report["rows"]:
         idle = "-" if row["device_idle_frac"] is None else f"{row['device_idle_frac']:.1%}"
-        print(f"{row['attention_impl']:>10} {row['mode']:>5} batch {row['batch']:>4}: {row['tokens_per_s']:9.0f} tok/s, "
+        print(f"{row['attention_impl']:>10} {row['mode']:>5} {row['quantization'] or 'bf16'}/{row['kv_dtype']} "
+              f"batch {row['batch']:>4}: {row['tokens_per_s']:9.0f} tok/s, "
               f"{row['median_step_ms']:.2f} ms/step, {row['share_of_roofline']:.0%} of roofline "
               f"({row['roofline_tokens_per_s']:.0f} tok/s), device idle {idle}")
     return 0

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from orca_jax import parallel
+from orca_jax import parallel, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import abstract_variables, check_supported, logical_specs
 
@@ -98,7 +98,10 @@ def place_host_params(params: dict, dtype, mesh: Mesh | None = None, kv_head_rep
 
 def _to_device_consuming(tree: dict, dtype) -> dict:
     for key, value in tree.items():
-        tree[key] = _to_device_consuming(value, dtype) if isinstance(value, dict) else jnp.asarray(value, dtype)
+        if isinstance(value, dict):
+            tree[key] = _to_device_consuming(value, dtype)
+        else:  # quantized values and their scales keep their own dtype
+            tree[key] = jnp.asarray(value, quantization.stored_dtype(key, value.dtype, dtype))
     return tree
 
 
@@ -138,7 +141,10 @@ class Checkpoint:
         dtype = jnp.dtype(dtype or self.dtype)
 
         def as_numpy(checkpointer, params_dir, saved):
-            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), saved)
+            restore_args = {"params": parallel.map_with_path(
+                lambda name, leaf: ocp.RestoreArgs(restore_type=np.ndarray,
+                                                   dtype=quantization.stored_dtype(name, leaf.dtype, dtype)),
+                saved["params"])}
             return checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
         return self._read(ocp.Checkpointer(ocp.PyTreeCheckpointHandler()), as_numpy)
@@ -215,13 +221,15 @@ def _restore_targets(saved: dict, dtype, mesh: Mesh | None, config: ModelConfig,
     if mesh is None:
         one_device = SingleDeviceSharding(jax.local_devices()[0])
         return {"params": parallel.map_with_path(
-            lambda _, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=one_device), saved["params"]
+            lambda name, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), quantization.stored_dtype(name, leaf.dtype, dtype),
+                                                    sharding=one_device), saved["params"]
         )}
     shardings = parallel.tree_paths(
         parallel.param_shardings(saved, mesh, logical_specs(config), whole_kv_heads=kv_head_repeats > 1)["params"]
     )
     return {"params": parallel.map_with_path(
-        lambda name, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=shardings[name]), saved["params"]
+        lambda name, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), quantization.stored_dtype(name, leaf.dtype, dtype),
+                                                sharding=shardings[name]), saved["params"]
     )}
 
 

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from orca_jax.config import EngineConfig
+from orca_jax.config import QUANTIZATION_METHODS, EngineConfig
 from orca_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("orca_jax.cli")
@@ -28,7 +28,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # Engine flags default to None ("not given") so that only flags typed on the command line
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
-ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
                 "model_cache_dir", "speculative_config")
@@ -37,7 +37,7 @@ CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_ca
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from orca_jax.config import ATTENTION_IMPLS, DTYPES
+    from orca_jax.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES
 
     parser.add_argument("--config", default=None, metavar="PRESET",
                         help="a preset: a name from configs/ (e.g. smollm2-cpu) or a .toml file; flags override it")
@@ -47,8 +47,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=("auto", *DTYPES),
                         help="weights and activations; auto: the checkpoint's dtype on GPU/TPU, float32 on CPU "
                              f"(default: {EngineConfig.dtype})")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", *DTYPES),
-                        help="KV cache dtype; auto: the model dtype, but float32 on CPU (default: auto)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
+                        help="KV cache dtype; auto: the model dtype, but float32 on CPU; int8 / fp8_e4m3: 8-bit "
+                             "values with a scale per token and head, about twice the tokens of bfloat16 "
+                             "(default: auto)")
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                        help="quantize the weights at load time: int8 (per output channel), fp8 (e4m3 where "
+                             "the device has fp8 units, else int8), gguf (a GGUF file's own Q8_0/Q4 blocks) "
+                             "(default: none, or what a quantized checkpoint holds)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help=f"sequences per step (default: {EngineConfig.max_num_seqs})")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -200,7 +206,8 @@ def cmd_convert(args) -> int:
     from orca_jax.convert import convert
 
     model = None if args.model == "default" else args.model
-    timings = convert(model, args.out_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    timings = convert(model, args.out_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                      quantization=args.quantization)
     print(f"saved {args.out_dir} (load + convert {timings['convert_s']:.1f} s, total {timings['total_s']:.1f} s); "
           f"use it as --model {args.out_dir}")
     return 0
@@ -277,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dtype of the saved weights (default: float32)")
     conv.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="save sharded over this many devices (restores at any size)")
+    conv.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                      help="save the weights quantized (restored as saved, not quantized again)")
     _add_log_level(conv)
     conv.set_defaults(func=cmd_convert)
 

@@ -21,6 +21,12 @@ SCHEDULING_POLICIES = ("iteration", "request")
 # "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
 ATTENTION_IMPLS = ("auto", *kernels.available_impls())
 DTYPES = ("float32", "bfloat16")
+# The KV cache's dtypes: the model's float ones, and 8-bit values with a scale per token and head
+# (orca_jax/kernels/kv_quant.py); "fp8" is vLLM's alias of "fp8_e4m3".
+KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8_e4m3", "fp8")
+_KV_STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# Weight formats (orca_jax/quantization.py), by vLLM's `quantization` names.
+QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 # Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
 # writes per step, 8,192 tokens at the default page size.
 MAX_CACHED_PAGES_PER_STEP = 512
@@ -64,6 +70,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # How the weights are stored (a format of orca_jax.quantization: "int8", "fp8", "gguf");
+    # None: floats in the model dtype. Set by the engine (EngineConfig.quantization) or read
+    # from a checkpoint's marker (already quantized); the model declares its tree from it.
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -100,8 +110,14 @@ class EngineConfig:
     # the engine resolves it before loading the model.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # "auto": the model dtype, except float32 on CPU, where XLA has no bfloat16 scatter/gather
-    # and would convert the whole cache around every KV write and read.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # and would convert the whole cache around every KV write and read. "int8" / "fp8_e4m3":
+    # 8-bit values with a bfloat16 scale per token and head, about twice the tokens of bfloat16.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8"] = "auto"
+    # Weights quantized at load time (orca_jax/quantization.py): "int8" (per output channel,
+    # W8A16), "fp8" (e4m3 where the device has fp8 units, else int8, said in the log), "gguf"
+    # (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks kept). None: floats in `dtype`, or what an
+    # already-quantized checkpoint holds.
+    quantization: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     # None: the model's context length, lowered to what the KV pool holds if one sequence of
@@ -147,8 +163,10 @@ class EngineConfig:
         errors = []
         if self.dtype not in ("auto", *DTYPES):
             errors.append(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", *DTYPES):
-            errors.append(f"kv_cache_dtype must be 'auto' or one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            errors.append(f"kv_cache_dtype must be 'auto' or one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            errors.append(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.scheduling not in SCHEDULING_POLICIES:
             errors.append(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -198,9 +216,10 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=pool_tokens)
 
     def resolved_kv_cache_dtype(self, backend: str) -> str:
+        """The cache's storage dtype (a numpy dtype name)."""
         assert self.dtype != "auto", "resolve dtype='auto' first (orca_jax.dtype_policy)"
         if self.kv_cache_dtype != "auto":
-            return self.kv_cache_dtype
+            return _KV_STORAGE_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         return "float32" if backend == "cpu" else self.dtype
 
     @property

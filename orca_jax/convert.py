@@ -20,17 +20,20 @@ from orca_jax.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 
-def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tensor_parallel_size: int = 1) -> dict:
+def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tensor_parallel_size: int = 1,
+            quantization: str | None = None) -> dict:
     """Load and convert `model` (HF directory, .gguf, hub id, None for the default) and save it
     as an orbax checkpoint in `out_dir`, sharded over `tensor_parallel_size` devices when > 1
-    (so a model too large for one device never sits whole on one). Returns timings in seconds."""
+    (so a model too large for one device never sits whole on one). `quantization` (a format of
+    orca_jax.quantization) saves the weights quantized; the checkpoint then restores them as
+    they are, without quantizing again. Returns timings in seconds."""
     if tensor_parallel_size < 1:
         raise CheckpointError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"output directory {out_dir} exists and is not empty")
     start = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, quantization=quantization)
     if is_checkpoint(Path(loaded.source)):
         raise CheckpointError(f"{loaded.source} is already an orca_jax checkpoint")
     params = _to_devices(loaded.params, jnp.dtype(dtype), loaded.config, tensor_parallel_size)

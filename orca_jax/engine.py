@@ -36,6 +36,7 @@ from orca_jax import multihost, parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
 from orca_jax.dtype_policy import resolve_model_dtype
+from orca_jax.quantization import resolve_method
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.guided_decoding import GrammarCompiler, GuidedState
@@ -96,7 +97,8 @@ class LLMEngine:
         config = config or EngineConfig(**overrides)
         configure_for_process(config.compilation_cache_dir or None)
         config = _resolve_auto_dtype(config)
-        loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir)
+        loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir,
+                            quantization=resolve_method(config.quantization, jax.local_devices()[0]))
         loaded_at = time.perf_counter()
         self.model_config = loaded.config
         self.config = config.resolve(loaded.config)
@@ -184,11 +186,11 @@ class LLMEngine:
     def _log_settings(self) -> None:
         c = self.config
         logger.info(
-            "engine: model %s (%s, %d layers), dtype %s, kv cache dtype %s, attention %s, max_model_len %d%s, "
+            "engine: model %s (%s, %d layers), dtype %s, weights %s, kv cache dtype %s, attention %s, max_model_len %d%s, "
             "max_num_seqs %d, max_num_batched_tokens %d, token buckets %s, page_size %d, KV pool %d pages "
             "(%d tokens), scheduling %s, async scheduling %s, tensor_parallel_size %d, compilation cache %s",
             c.model or "default", self.model_config.model_type, self.model_config.num_layers, c.dtype,
-            self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
+            self.model_config.quantization or "not quantized", self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
             " (the model's)" if c.max_model_len == self.model_config.max_position_embeddings else "",
             c.max_num_seqs, c.max_num_batched_tokens, list(c.token_buckets), c.page_size, self.allocator.num_pages,
             self.allocator.num_usable * c.page_size, c.scheduling, "on" if c.async_scheduling else "off",

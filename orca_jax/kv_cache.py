@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from orca_jax.config import EngineConfig, ModelConfig, kv_pool_tokens
+from orca_jax.kernels.kv_quant import cache_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,10 @@ class PageAllocator:
 
 
 def kv_bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page over all layers; an 8-bit cache counts each row's scale bytes."""
     itemsize = jnp.dtype(dtype).itemsize
-    return model.num_layers * page_size * 2 * model.num_kv_heads * model.head_dim * itemsize
+    row = cache_head_dim(model.head_dim, dtype)
+    return model.num_layers * page_size * 2 * model.num_kv_heads * row * itemsize
 
 
 def choose_num_pages(config: EngineConfig, model: ModelConfig, dtype, device=None, num_shards: int = 1) -> int:
@@ -244,9 +247,11 @@ def fit_context_to_pool(config: EngineConfig, num_pages: int) -> EngineConfig:
 
 
 def create_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> jax.Array:
-    """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim].
-    With a sharding (tensor parallelism) each device allocates only its own slice."""
-    shape = (model.num_layers, num_pages, page_size, 2 * model.num_kv_heads, model.head_dim)
+    """All layers' pages: [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]
+    (head_dim + 2 for an 8-bit cache: each row's scale, kernels/kv_quant.py; zeros read as
+    zero rows with scale 0). With a sharding (tensor parallelism) each device allocates only
+    its own slice."""
+    shape = (model.num_layers, num_pages, page_size, 2 * model.num_kv_heads, cache_head_dim(model.head_dim, dtype))
     # jnp.zeros places each device's slice itself, from a program jax caches per shape, dtype
     # and sharding: rebuilding the cache after a failed step compiles nothing.
     return jnp.zeros(shape, dtype, device=sharding)

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from orca_jax import quantization
 from orca_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),  # within a head (Q/K norms)
     ("positions", None),  # GPT-2's learned position table (small)
     ("layers", None),  # the stacked layer axis (pipeline stages would split this one)
+    # A quantized weight's one group of per-channel scales (orca_jax.quantization); GGUF's
+    # blocks take the name of the contraction axis they divide, and shard with it.
+    ("quant_groups", None),
 )
 KV_HEADS = "kv_heads"  # the axis that `repeat_kv_heads` repeats
 
@@ -267,8 +271,9 @@ def place_params(params: dict, shardings: dict, dtype) -> dict:
         for key in list(tree):
             if isinstance(tree[key], dict):
                 tree[key] = place(tree[key], sharding_tree[key])
-            else:  # replacing the entry drops the host array
-                tree[key] = _put_sharded(np.asarray(tree[key], dtype), sharding_tree[key])
+            else:  # replacing the entry drops the host array; quantized leaves keep their dtype
+                leaf_dtype = quantization.stored_dtype(key, np.asarray(tree[key]).dtype, dtype)
+                tree[key] = _put_sharded(np.asarray(tree[key], leaf_dtype), sharding_tree[key])
         return tree
 
     return place(params, shardings)

@@ -2,7 +2,7 @@
 and tests/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
 suite runs on one device). Prints one JSON object of measurements; the tests assert on it.
 
-    python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2   logits, tokens, shardings, HLO
+    python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2 [QUANTIZATION]   logits, tokens, shardings, HLO
     python tests/parallel_worker.py checkpoint HF_DIR CKPT_DIR OUT_DIR   sharded orbax round trip
 """
 
@@ -81,14 +81,15 @@ def collectives(hlo: str) -> dict:
     }
 
 
-def tp_run(model_dir: str, sizes: list[str]) -> dict:
+def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) -> dict:
     """`sizes`: "1", "2", ... or "IMPL@N" (attention implementation IMPL at size N). The first
-    is the reference for the logits."""
+    is the reference for the logits. `quantization`: every run's weights quantized so."""
     results, reference = {}, None
     for run in sizes:
         impl, _, tp = run.rpartition("@")
         tp = int(tp)
-        engine = LLMEngine(model=model_dir, tensor_parallel_size=tp, attention_impl=impl or "reference", **ENGINE)
+        engine = LLMEngine(model=model_dir, tensor_parallel_size=tp, attention_impl=impl or "reference",
+                           quantization=quantization, **ENGINE)
         logits, greedy = drive_logits(engine)
         tokens = generate(engine)
         result = {"greedy": greedy, "sampled": tokens}
@@ -110,6 +111,11 @@ def tp_run(model_dir: str, sizes: list[str]) -> dict:
                 "o_proj": str(attn["o_proj"]["kernel"].sharding.spec),
                 "embed": str(runner.params["params"]["embed"].sharding.spec),
             }
+            if quantization is not None:  # scales shard with their weights' output channels
+                specs = {f"{name}_qscale": str(attn[name]["qscale"].sharding.spec) for name in ("q_proj", "k_proj", "o_proj")}
+                specs["embed_qscale"] = str(runner.params["params"]["embed_qscale"].sharding.spec)
+                specs["q_proj_dtype"] = str(attn["q_proj"]["kernel"].dtype)
+                result["quantized_specs"] = specs
             result["kv_heads_stored"] = runner.model_config.num_kv_heads
             program = runner._programs[ENGINE["max_num_batched_tokens"]]
             result["hlo"] = collectives(program.as_text())
@@ -160,7 +166,7 @@ def main() -> None:
     mode, *args = sys.argv[1:]
     assert jax.device_count() == 8, jax.devices()
     if mode == "tp":
-        result = tp_run(args[0], args[1].split(","))
+        result = tp_run(args[0], args[1].split(","), *args[2:])
     else:
         result = checkpoint_run(*args)
     print("RESULT " + json.dumps(result))

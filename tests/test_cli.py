@@ -59,6 +59,8 @@ def test_engine_settings_have_flags():
     assert (config.gpu_memory_utilization, config.kv_cache_dtype, config.seed) == (0.5, "bfloat16", 7)
     assert config.compilation_cache_dir == "/tmp/xla-cache"
     assert EngineConfig().compilation_cache_dir is not None  # on by default
+    quantized = _config("generate", "hi", "--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3")
+    assert (quantized.quantization, quantized.kv_cache_dtype) == ("int8", "fp8_e4m3")
     off = _config("generate", "hi", "--no-compilation-cache", "--no-model-cache")
     assert off.compilation_cache_dir is None and off.model_cache_dir is None
     assert off.enable_prefix_caching is True, "prefix caching is on by default"
@@ -126,15 +128,15 @@ def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, 
 
     calls = []
 
-    def fake_convert(model, out_dir, dtype, tensor_parallel_size):
-        calls.append((model, out_dir, dtype, tensor_parallel_size))
+    def fake_convert(model, out_dir, dtype, tensor_parallel_size, quantization):
+        calls.append((model, out_dir, dtype, tensor_parallel_size, quantization))
         return {"convert_s": 1.0, "total_s": 2.0}
 
     monkeypatch.setattr(orca_jax.convert, "convert", fake_convert)
     out = str(tmp_path / "ckpt")
     assert cli.main(["convert", "default", out, "--dtype", "bfloat16", "--tensor-parallel-size", "2"]) == 0
-    assert cli.main(["convert", "/models/llama", out]) == 0
-    assert calls == [(None, out, "bfloat16", 2), ("/models/llama", out, "float32", 1)]
+    assert cli.main(["convert", "/models/llama", out, "--quantization", "int8"]) == 0
+    assert calls == [(None, out, "bfloat16", 2, None), ("/models/llama", out, "float32", 1, "int8")]
     assert f"use it as --model {out}" in capsys.readouterr().out
 
 

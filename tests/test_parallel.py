@@ -40,7 +40,14 @@ def gpt2_runs(tiny_hf_model_factory, run_parallel_worker) -> dict:
     return run_parallel_worker("tp", str(model), "1,4")
 
 
-@pytest.fixture(params=["llama", "gpt2"])
+# int8 weights (per output channel): the scales shard with their weights' output axes.
+@pytest.fixture(scope="module")
+def llama_int8_runs(tiny_llama_factory, run_parallel_worker) -> dict:
+    model = tiny_llama_factory(seed=3, num_attention_heads=8, num_key_value_heads=2)
+    return run_parallel_worker("tp", str(model), "1,2", "int8")
+
+
+@pytest.fixture(params=["llama", "gpt2", "llama_int8"])
 def runs(request) -> dict:
     return request.getfixturevalue(f"{request.param}_runs")
 
@@ -56,6 +63,21 @@ def test_greedy_and_seeded_sampled_tokens_identical_to_one_device(runs):
         assert result["greedy"] == runs["1"]["greedy"], tp
         assert result["sampled"] == runs["1"]["sampled"], tp
     assert all(len(t) == 6 for t in runs["1"]["sampled"])
+
+
+def test_int8_scales_shard_with_their_weights(llama_int8_runs):
+    specs = {**llama_int8_runs["2"]["param_specs"], **llama_int8_runs["2"]["quantized_specs"]}
+    assert specs["q_proj_dtype"] == "int8"
+    # kernel [L, D, N, H] column-parallel on N; its scales [L, 1, N, H] split the same heads.
+    assert specs["q_proj"] == "P(None, None, 'model', None)"
+    assert specs["q_proj_qscale"] == "P(None, None, 'model', None)"
+    assert specs["k_proj_qscale"] == "P(None, None, 'model', None)"
+    # o_proj [L, N, H, D] is row-parallel: its per-output-channel scales [L, 1, D] are whole.
+    assert specs["o_proj"] == "P(None, 'model', None, None)"
+    assert specs["o_proj_qscale"] == "P()"
+    # The vocabulary-parallel table's per-row scales [V, 1] split the same rows.
+    assert specs["embed"] == "P('model', None)"
+    assert specs["embed_qscale"] == "P('model', None)"
 
 
 def test_a_pallas_kernel_runs_per_shard_unchanged(llama_runs):
@@ -93,7 +115,9 @@ def test_weights_follow_the_sharding_rules(runs):
         }
 
 
-def test_compiled_step_has_one_all_reduce_per_row_parallel_layer(runs):
+def test_compiled_step_has_one_all_reduce_per_row_parallel_layer(runs, request):
+    # A quantized table's lookup gathers its int8 rows and their scales: one all-reduce each.
+    embed_reduces = 2 if "int8" in request.node.callspec.id else 1
     for tp, result in runs.items():
         if tp == "1":
             continue
@@ -102,7 +126,7 @@ def test_compiled_step_has_one_all_reduce_per_row_parallel_layer(runs):
         assert hlo["all_reduce_o_proj"] == 1 and hlo["all_reduce_mlp_out"] == 1
         assert hlo["in_layer_loop"] == 2
         # Outside: the vocabulary-sharded embedding lookup. Nothing else.
-        assert hlo["all_reduce_embed"] == 1 and hlo["all_reduce_total"] == 3
+        assert hlo["all_reduce_embed"] == embed_reduces and hlo["all_reduce_total"] == 2 + embed_reduces
         # The only gather is of the [S, V] logits (4 rows, vocabulary 512), never a weight.
         assert [s.split("{")[0] for s in hlo["all_gather_shapes"]] == ["f32[4,512]"]
 

@@ -26,6 +26,13 @@ the layout:
     with an integer shift in the gather's own loop. XLA still copies the whole array into that
     view once per call (a bitcast between types is not free on CPU), so a bfloat16 cache
     stays slower than a float32 one here: keep the KV cache in float32 on CPU.
+  - Worse for float8: XLA:CPU runs every float8 operation through float16. An 8-bit cache
+    (kv_quant: int8 or float8_e4m3fn values, each row followed by its bfloat16 scale) is
+    therefore gathered as bytes, [K_h, scale | V_h, scale] rows of 2 * (head_dim + 2) bytes,
+    float8 through its uint8 view, and decoded with integer operations (kv_quant) to float32
+    [K_h | V_h] rows in the gather's own pass; from there on it is read as a float cache.
+    Measured at 16 decodes x 1024 tokens, head_dim 64: int8 and float8 about as fast as
+    float32 (native float8 conversion was 15x slower).
   - Every operation in a loop body costs a few microseconds however small (tens when other
     processes hold the cores), so loop steps are large: a decode step takes 128-256 tokens
     of every sequence at once (`default_decode_block_tokens`).
@@ -51,6 +58,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 # A finite "minus infinity": keeps exp(m_old - m_new) defined while a row has seen no key yet.
@@ -61,6 +69,8 @@ _MASK_VALUE = -1e30
 # 25 MiB block). So: about _DECODE_TOKENS_PER_STEP tokens of all rows together, within bounds.
 _DECODE_TOKENS_PER_STEP = 8192
 _MIN_DECODE_BLOCK, _MAX_DECODE_BLOCK = 128, 256
+# The view a float8 cache is gathered through (its bits); int8 caches are gathered as int8.
+_FP8_BITS = jnp.uint8
 
 
 def default_decode_block_tokens(num_seq_slots: int, page_size: int) -> int:
@@ -78,8 +88,9 @@ def _check_inputs(q, kv_pages, metadata) -> None:
                          f"got {q.shape} and {kv_pages.shape}")
     T, num_q_heads, head_dim = q.shape
     two_kv_heads = kv_pages.shape[2]
-    if kv_pages.shape[3] != head_dim:
-        raise ValueError(f"head_dim differs: q has {head_dim}, kv_pages {kv_pages.shape[3]}")
+    if kv_quant.values_head_dim(kv_pages) != head_dim:
+        raise ValueError(f"head_dim differs: q has {head_dim}, kv_pages {kv_quant.values_head_dim(kv_pages)} "
+                         f"(cache rows of {kv_pages.shape[3]} {jnp.dtype(kv_pages.dtype).name})")
     if two_kv_heads % 2 or num_q_heads % (two_kv_heads // 2):
         raise ValueError(f"{num_q_heads} query heads cannot share {two_kv_heads} K/V slots "
                          "(need an even slot count, K/V interleaved, and whole query groups per KV head)")
@@ -93,7 +104,7 @@ def _check_inputs(q, kv_pages, metadata) -> None:
                                              "q_block", "kv_block_tokens"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim (+ 2 if quantized)]
     metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
@@ -147,12 +158,15 @@ def ragged_paged_attention(
 
 def _kv_row_view(kv_pages):
     """The cache as rows of [K_h | V_h], one per (token slot, KV head): row
-    `(page * page_size + offset) * num_kv_heads + h`. bfloat16 as its uint16 bits (see the
-    module docstring)."""
-    num_pages, page_size, two_kv_heads, head_dim = kv_pages.shape
+    `(page * page_size + offset) * num_kv_heads + h`. bfloat16 as its uint16 bits, float8 as
+    its uint8 bits (XLA:CPU gathers neither type: it would convert the whole cache first; see
+    the module docstring); int8 as it is. A quantized row is [K_h, its scale | V_h, its scale]."""
+    num_pages, page_size, two_kv_heads, row_width = kv_pages.shape
     if kv_pages.dtype == jnp.bfloat16:
         kv_pages = jax.lax.bitcast_convert_type(kv_pages, jnp.uint16)
-    return kv_pages.reshape(num_pages * page_size * (two_kv_heads // 2), 2 * head_dim)
+    if kv_pages.dtype == jnp.float8_e4m3fn:
+        kv_pages = jax.lax.bitcast_convert_type(kv_pages, _FP8_BITS)
+    return kv_pages.reshape(num_pages * page_size * (two_kv_heads // 2), 2 * row_width)
 
 
 def _load_block(rows, token_slots, visible, num_kv_heads, dtype):
@@ -164,7 +178,20 @@ def _load_block(rows, token_slots, visible, num_kv_heads, dtype):
     x = rows.at[row_ids].get(mode="promise_in_bounds")  # page_table is clipped: slots in range
     if rows.dtype == jnp.uint16:  # bfloat16 bits: the high half of a float32
         x = jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    if rows.dtype in (jnp.int8, _FP8_BITS):  # 8-bit rows, each with its scale
+        x = _dequantize_pairs(x)
     return jnp.where(visible[..., None, :, None], x, 0).astype(dtype)
+
+
+def _dequantize_pairs(x):
+    """Gathered quantized rows [..., 2 * (head_dim + 2)] (K_h and V_h with their scales; float8
+    as its uint8 bits) -> float32 [K_h | V_h] rows [..., 2 * head_dim], the float layout the
+    rest of this file reads. Decoded from the bytes: XLA:CPU runs float8 arrays through
+    float16 one operation at a time. Unused slots may hold NaN scales: masked by the caller."""
+    storage = jnp.float8_e4m3fn if x.dtype == _FP8_BITS else jnp.int8
+    pairs = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    values = kv_quant.dequantize_row_bits(pairs, storage)  # [..., 2, head_dim]
+    return values.reshape(*x.shape[:-1], 2 * values.shape[-1])
 
 
 def _cap(scores, soft_cap):

@@ -31,6 +31,17 @@ A Mosaic GPU port (warp-specialised, TMA-pipelined pages) is the follow-up for H
 
 Triton needs power-of-two block shapes, so the wrapper pads the query-head group to a power of
 two and the query axis by one block; the padded rows are computed and dropped.
+
+8-bit cache (kv_quant: int8 or float8_e4m3fn values, each row followed by the two bytes of its
+bfloat16 scale, so rows of head_dim + 2). A program loads a KV block's values
+`[pages, :, slot, 0:head_dim]` (a power-of-two tile, whatever the row width) and the two
+scale bytes as two more loads of one byte per key, and rebuilds each key's float32 scale with
+integer operations (bfloat16 is the top half of a float32), since Triton has no bitcast that
+changes shape. float8 values are decoded with integer operations too: Triton's float8
+conversion needs sm_89 or newer, and jax refuses it for the A100; this way the kernel's Triton
+IR stays the same for every target. The scales are applied to the matrix products' operands
+that are one value per key rather than to the tiles: K's to the score columns, V's to the
+probabilities before P @ V. Values convert exactly to bfloat16 (at most 8 significant bits).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 # A finite "minus infinity" so exp(m_old - m_new) stays defined before a row has seen a key.
@@ -89,8 +101,9 @@ def check_inputs(q, kv_pages, metadata: AttentionMetadata) -> None:
         raise ValueError(f"kv_pages axis 2 holds K and V interleaved and must be even, got {two_kv_heads}")
     if num_q_heads % (two_kv_heads // 2):
         raise ValueError(f"{num_q_heads} query heads do not divide into {two_kv_heads // 2} KV heads")
-    if kv_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    if kv_quant.values_head_dim(kv_pages) != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {kv_quant.values_head_dim(kv_pages)} "
+                         f"(rows of {kv_head_dim} {jnp.dtype(kv_pages.dtype).name})")
     reason = unsupported_reason(head_dim, page_size)
     if reason is not None:
         raise ValueError(f"the Triton attention kernel cannot run this shape: {reason}")
@@ -165,11 +178,13 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
             sm_scale, sliding_window, soft_cap, block_q, group, pages_per_block, num_kv_splits):
     """One program: query block `program_id(0)`, KV head `program_id(1)`, KV split `program_id(2)`.
 
-    q_ref [T_pad, num_kv_heads, group, head_dim]; kv_ref [num_pages, page_size, 2K, head_dim];
-    o_ref [splits, T_pad, num_kv_heads, group, head_dim]; lse_ref [splits, T_pad, K, group]."""
+    q_ref [T_pad, num_kv_heads, group, head_dim]; kv_ref [num_pages, page_size, 2K, head_dim]
+    (head_dim + 2 when quantized); o_ref [splits, T_pad, num_kv_heads, group, head_dim];
+    lse_ref [splits, T_pad, K, group]."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = block_seq_ref[b]
-    page_size, head_dim = kv_ref.shape[1], kv_ref.shape[3]
+    page_size, head_dim = kv_ref.shape[1], q_ref.shape[3]
+    quantized = kv_quant.is_quantized(kv_ref.dtype)
     block_kv = pages_per_block * page_size
     rows = block_q * group
 
@@ -202,13 +217,21 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
         def visit(kv_block, carry):
             m, l, acc = carry
             pages = page_table_ref[seq, pl.ds(kv_block * pages_per_block, pages_per_block)]
-            k = kv_ref[pages, :, 2 * h, :].reshape(block_kv, head_dim)
-            v = kv_ref[pages, :, 2 * h + 1, :].reshape(block_kv, head_dim)
+            if quantized:
+                k, k_scale = _load_quantized(kv_ref, pages, 2 * h, head_dim, q.dtype)
+                v, v_scale = _load_quantized(kv_ref, pages, 2 * h + 1, head_dim, q.dtype)
+            else:
+                k = kv_ref[pages, :, 2 * h, :].reshape(block_kv, head_dim)
+                v = kv_ref[pages, :, 2 * h + 1, :].reshape(block_kv, head_dim)
             key_pos = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            written = key_pos < kv_len
+            if quantized:  # unwritten slots' scales may be NaN too (tests)
+                v_scale = jnp.where(written, v_scale, 0.0)
             # Slots past the sequence's end may hold anything (NaN in tests): 0 * NaN is NaN,
             # so those values are replaced before the product, not only weighted by zero.
-            v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-            s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_kv] f32
+            v = jnp.where(written[:, None], v, jnp.zeros_like(v))
+            s = pltriton.dot(q, k, trans_b=True, precision=precision)  # [rows, block_kv] f32
+            s = s * (k_scale * sm_scale)[None, :] if quantized else s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             visible = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None]
@@ -219,6 +242,8 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
             p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + jnp.sum(p, axis=1)
+            if quantized:
+                p = p * v_scale[None, :]  # scaling P's columns scales V's rows
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
             return m_new, l, acc
 
@@ -238,6 +263,20 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
                            lse.reshape(block_q, group), mask=store_rows)
 
 
+def _load_quantized(kv_ref, pages, slot, head_dim, dtype):
+    """One head slot of a KV block of an 8-bit cache: its values [block_kv, head_dim] in
+    `dtype` (exact) and each key's scale float32[block_kv]. Three loads of power-of-two tiles:
+    the values, then the scale's low and high bytes."""
+    block_kv = pages.shape[0] * kv_ref.shape[1]
+    values = kv_ref[pages, :, slot, pl.ds(0, head_dim)].reshape(block_kv, head_dim)
+    low = kv_ref[pages, :, slot, head_dim].reshape(block_kv)
+    high = kv_ref[pages, :, slot, head_dim + 1].reshape(block_kv)
+    scale = kv_quant.bf16_bytes_to_f32(kv_quant.as_int8_bits(low), kv_quant.as_int8_bits(high))
+    if values.dtype == jnp.int8:
+        return values.astype(dtype), scale
+    return kv_quant.e4m3_bits_to_f32(kv_quant.as_int8_bits(values)).astype(dtype), scale
+
+
 def _merge_splits(partial_out, lse):
     """Combine per-split outputs by their log-sum-exp weights (empty splits weigh zero).
 
@@ -255,7 +294,7 @@ def _merge_splits(partial_out, lse):
     "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim (+ 2 if quantized)]
     metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,

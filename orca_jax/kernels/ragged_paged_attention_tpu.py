@@ -7,7 +7,10 @@ arguments in that order), so this file only unpacks the metadata, chooses the bl
 from jax's tuning table and decides when it cannot serve:
   - head_dim must be a multiple of 128 (the TPU lane width);
   - the K/V head axis must tile the TPU's (8 x packing) sublanes, which jax checks in
-    `get_min_heads_per_blk`.
+    `get_min_heads_per_blk`;
+  - the cache must hold plain values: jax's kernel scales a quantized cache by one float per
+    tensor (`k_scale`, `v_scale`), while our 8-bit cache (kv_quant) stores a scale per token
+    and head inside each row, which it would read as values.
 For shapes outside those rules `unsupported_reason` says why, and the dispatcher
 (`orca_jax.kernels`) runs the reference instead.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 TPU_LANES = 128
@@ -33,6 +37,9 @@ def _tpu_ops():
 
 def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype) -> str | None:
     """Why jax's TPU kernel cannot take these shapes, or None when it can."""
+    if kv_quant.is_quantized(kv_dtype):
+        return (f"the {jnp.dtype(kv_dtype).name} KV cache keeps a bfloat16 scale per token and head in each row "
+                "(kv_quant), which jax's TPU kernel cannot read (it takes one scale per tensor)")
     if head_dim % TPU_LANES:
         return f"head_dim {head_dim} is not a multiple of {TPU_LANES}"
     # jax states its own tiling rule (and its wording); versions without the helper skip it.

@@ -7,7 +7,9 @@ length. All tokens are processed together (vectorised over T); the block loop ru
 as the longest sequence in the step, so short steps stay cheap.
 
 Numerics: scores, softmax and the accumulator are float32 (float64 if the inputs are float64),
-the output is cast back to the query dtype.
+the output is cast back to the query dtype. An 8-bit cache (kv_quant) is dequantized block by
+block after the gather, exactly (value times its row's bfloat16 scale fits float32), then
+read as a float cache.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 # A finite "minus infinity": keeps exp(m_old - m_new) defined while a row has seen no key yet.
@@ -26,13 +29,17 @@ _MASK_VALUE = -1e30
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, metadata: AttentionMetadata) -> jax.Array:
     """Scatter this step's K/V into the paged cache, token t into `metadata.slot_mapping[t]`.
 
-    kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim] (head_dim + 2 when quantized:
+              k and v are quantized row by row on the way in, see kv_quant)
     k, v:     [T, num_kv_heads, head_dim]
     metadata.slot_mapping: int32[T], page * page_size + offset (padding tokens point into page 0)
     """
     slot_mapping = metadata.slot_mapping
     num_pages, page_size, two_kv_heads, head_dim = kv_pages.shape
     T, num_kv_heads, _ = k.shape
+    if kv_quant.is_quantized(kv_pages.dtype):
+        # Each token's rows carry their own scale (kv_quant): [T, K, head_dim + 2] each.
+        k, v = kv_quant.quantize_rows(k, kv_pages.dtype), kv_quant.quantize_rows(v, kv_pages.dtype)
     # Interleave so K of head h lands in slot 2h and V in slot 2h + 1.
     kv = jnp.stack([k, v], axis=2).reshape(T, two_kv_heads, head_dim).astype(kv_pages.dtype)
     flat = kv_pages.reshape(num_pages * page_size, two_kv_heads, head_dim)
@@ -42,7 +49,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, metadata: Attentio
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_tokens"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim (+ 2 if quantized)]
     metadata: AttentionMetadata,  # reads kv_lens i32[S], page_table i32[S, max_pages_per_seq],
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
@@ -138,7 +145,7 @@ def _attend_one_sequence(q_rows, pages, query_pos, rows_valid, *, kv_pages, page
     def attend_block(b, carry):
         m, l, acc = carry  # [R, K, G], [R, K, G], [R, K, G, D]
         block_pages = jax.lax.dynamic_slice_in_dim(pages, b * pages_per_block, pages_per_block)
-        kv = kv_pages[block_pages].reshape(block_tokens, num_kv_heads, 2, head_dim).astype(dtype)
+        kv = _dequantized(kv_pages[block_pages]).reshape(block_tokens, num_kv_heads, 2, head_dim).astype(dtype)
         k, v = kv[:, :, 0], kv[:, :, 1]  # [B, K, D]
         key_pos = b * block_tokens + jnp.arange(block_tokens)
         visible = (key_pos[None, :] <= query_pos[:, None]) & rows_valid[:, None]  # [R, B]
@@ -167,3 +174,9 @@ def _attend_one_sequence(q_rows, pages, query_pos, rows_valid, *, kv_pages, page
     _, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     return out.reshape(R, num_q_heads, head_dim)
+
+
+def _dequantized(block):
+    """Gathered cache rows [..., cache head_dim] as values [..., head_dim]: quantized rows times
+    their own scales (float32), float rows as they are (the same program as before)."""
+    return kv_quant.dequantize_rows(block) if kv_quant.is_quantized(block.dtype) else block

@@ -8,17 +8,19 @@ with a sliding window W, to the last W of them); padding tokens get zeros.
 
 Here: a float64 oracle of that contract written as plain loops (one sequence, one query
 token, one head at a time) and a builder of ragged batches as the engine makes them, with
-every cache slot that no sequence owns set to NaN, so that an implementation that reads
-padding shows it. Used by the kernel tests and by benchmarks/kernel_bench.py to check a
-kernel on the GPU before timing it.
+every cache slot that no sequence owns set to NaN (in an 8-bit cache, kv_quant: a NaN scale),
+so that an implementation that reads padding shows it. Used by the kernel tests and by
+benchmarks/kernel_bench.py to check a kernel on the GPU before timing it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 
@@ -26,12 +28,20 @@ from orca_jax.kernels.metadata import AttentionMetadata
 # float64 oracle: plain loops, one sequence and one query token at a time.
 # --------------------------------------------------------------------------------------------
 
+def cache_as_float64(kv_pages) -> np.ndarray:
+    """The values a cache holds, in float64: an 8-bit cache dequantized (kv_quant), exactly."""
+    kv_pages = np.asarray(kv_pages)
+    if kv_quant.is_quantized(kv_pages.dtype):
+        return kv_quant.dequantize_rows_np(kv_pages)
+    return kv_pages.astype(np.float64)
+
+
 def oracle_attention(q, kv_pages, metadata: AttentionMetadata, *, sm_scale, sliding_window=None,
                      soft_cap=None):
     kv_lens, page_table, cu_q_lens, num_seqs = (
         np.asarray(a) for a in (metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs))
     q = np.asarray(q, np.float64)
-    kv_pages = np.asarray(kv_pages, np.float64)
+    kv_pages = cache_as_float64(kv_pages)
     T, num_q_heads, head_dim = q.shape
     _, page_size, two_kv_heads, _ = kv_pages.shape
     group = num_q_heads // (two_kv_heads // 2)
@@ -66,9 +76,11 @@ def oracle_attention(q, kv_pages, metadata: AttentionMetadata, *, sm_scale, slid
 @dataclass
 class Case:
     q: np.ndarray  # [T, num_q_heads, head_dim]
-    kv_pages: np.ndarray  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: np.ndarray  # [num_pages, page_size, 2 * num_kv_heads, head_dim (+ 2 if quantized)]
     metadata: AttentionMetadata  # numpy fields, as build_batch makes them
     num_real_tokens: int
+    # A quantized case's cache before quantization (`dtype`, NaN where unowned); else None.
+    kv_unquantized: np.ndarray | None = None
 
 
 def ragged_metadata(seqs, page_table: np.ndarray, kv_lens: np.ndarray, *, page_size: int,
@@ -94,8 +106,11 @@ def ragged_metadata(seqs, page_table: np.ndarray, kv_lens: np.ndarray, *, page_s
 
 
 def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad_seqs=2,
-              pad_tokens=3, extra_pages=3, max_pages_per_seq=None, dtype=np.float32, q_scale=1.0):
-    """seqs: [(q_len, kv_len)]; kv_len includes this step's q_len tokens."""
+              pad_tokens=3, extra_pages=3, max_pages_per_seq=None, dtype=np.float32, q_scale=1.0,
+              kv_dtype=None):
+    """seqs: [(q_len, kv_len)]; kv_len includes this step's q_len tokens. q (and the cache,
+    unless `kv_dtype` says otherwise) in `dtype`. `kv_dtype` int8 or float8_e4m3fn: the same
+    draws, the cache quantized row by row (kv_quant), every unowned row poisoned (NaN scale)."""
     rng = np.random.default_rng(seed)
     S = len(seqs) + pad_seqs
     pages_needed = [-(-kv_len // page_size) for _, kv_len in seqs]
@@ -120,7 +135,18 @@ def make_case(seed, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, pad
     T = total + pad_tokens
     q = rng.standard_normal((T, num_q_heads, head_dim)) * q_scale  # padding tokens get finite q
     metadata = ragged_metadata(seqs, page_table, kv_lens, page_size=page_size, num_tokens=T)
-    return Case(q.astype(dtype), kv_pages.astype(dtype), metadata, total)
+    if kv_dtype is not None and kv_quant.is_quantized(kv_dtype):
+        return Case(q.astype(dtype), quantized_cache(kv_pages.astype(dtype), kv_dtype), metadata, total,
+                    kv_unquantized=kv_pages.astype(dtype))
+    return Case(q.astype(dtype), kv_pages.astype(kv_dtype or dtype), metadata, total)
+
+
+def quantized_cache(kv_pages: np.ndarray, kv_dtype) -> np.ndarray:
+    """A float cache [..., head_dim] with NaN rows where nothing is written, as an 8-bit cache
+    [..., head_dim + 2]: written rows quantized, NaN rows poisoned (NaN scale bytes)."""
+    unowned = np.isnan(kv_pages).any(axis=-1)
+    stored = np.asarray(kv_quant.quantize_rows(jnp.asarray(np.where(unowned[..., None], 0, kv_pages)), kv_dtype))
+    return kv_quant.poison_rows(stored, unowned)
 
 
 # (name, seqs) with seqs = [(q_len, kv_len), ...]
@@ -198,10 +224,11 @@ def assert_matches_oracle(out, case: Case, *, sm_scale, sliding_window=None, sof
     the largest absolute error over real tokens."""
     assert out.shape == case.q.shape and out.dtype == case.q.dtype, (out.shape, out.dtype)
     out = np.asarray(out).astype(np.float64)
-    # The oracle reads the inputs exactly as the kernel got them (already rounded to dtype).
+    # The oracle reads the inputs exactly as the kernel got them (already rounded to dtype, an
+    # 8-bit cache as the values it stands for).
     expected = oracle_attention(
-        np.asarray(case.q).astype(np.float64), np.asarray(case.kv_pages).astype(np.float64),
-        case.metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        np.asarray(case.q).astype(np.float64), cache_as_float64(case.kv_pages), case.metadata,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     n = case.num_real_tokens
     assert np.all(np.isfinite(out)), "NaN/inf in the output: padding was read"
     np.testing.assert_allclose(out[:n], expected[:n], rtol=tol, atol=tol)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jaxlib.mlir import ir as jax_ir
 from jaxlib.triton import dialect as jax_triton_dialect
 
+from orca_jax.kernels import kv_quant
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu
 from orca_jax.kernels.metadata import AttentionMetadata
 
@@ -263,10 +264,12 @@ def serving_steps(shape: AttentionShape) -> dict[str, tuple[int, int]]:
     }
 
 
-def attention_kernel(shape: AttentionShape, num_tokens: int, num_seq_slots: int, dtype,
+def attention_kernel(shape: AttentionShape, num_tokens: int, num_seq_slots: int, dtype, kv_dtype=None,
                      **kernel_options) -> TritonKernel:
     """The Triton kernel of one attention call of a serving step, with the kernel's own
-    choices of rows per program and KV split unless `kernel_options` overrides them."""
+    choices of rows per program and KV split unless `kernel_options` overrides them. The
+    cache is in `kv_dtype` (default: `dtype`; int8 or float8_e4m3fn: the 8-bit cache of
+    kv_quant, rows of head_dim + 2)."""
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     max_pages = shape.max_model_len // shape.page_size
     metadata = AttentionMetadata(
@@ -274,8 +277,10 @@ def attention_kernel(shape: AttentionShape, num_tokens: int, num_seq_slots: int,
         page_table=i32((num_seq_slots, max_pages)), kv_lens=i32((num_seq_slots,)),
         cu_q_lens=i32((num_seq_slots + 1,)), num_seqs=i32((1,)))
     q = jax.ShapeDtypeStruct((num_tokens, shape.num_q_heads, shape.head_dim), dtype)
-    kv_pages = jax.ShapeDtypeStruct((shape.num_pages, shape.page_size, 2 * shape.num_kv_heads, shape.head_dim),
-                                    dtype)
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
+    kv_pages = jax.ShapeDtypeStruct(
+        (shape.num_pages, shape.page_size, 2 * shape.num_kv_heads, kv_quant.cache_head_dim(shape.head_dim, kv_dtype)),
+        kv_dtype)
     fn = functools.partial(gpu.ragged_paged_attention, sm_scale=shape.head_dim ** -0.5, **kernel_options)
     [kernel] = lower_triton_kernels(fn, q, kv_pages, metadata)
     return kernel

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel
+from orca_jax import parallel, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gpt2, llama
@@ -89,6 +89,42 @@ def logical_specs(config: ModelConfig) -> dict[str, Any]:
     config; shared, so never modified). What `parallel.param_shardings` and
     `parallel.repeat_kv_heads` take."""
     return parallel.logical_specs(abstract_variables(config))
+
+
+# Embedding tables: quantized by rows (their contraction axis is the last one, not the first).
+_ROW_TABLES = ("embed",)
+
+
+def quantize_params(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """Float host weights ({"params": numpy tree} of the model of `config` without quantization)
+    -> the tree of the model of `config` (with `config.quantization` set): every weight the
+    quantized model declares with scales beside it is quantized, the rest is left as it is.
+    Consumes `params` (each float weight is dropped once quantized)."""
+    declared = nn.unbox(abstract_variables(config))["params"]
+    logical = logical_specs(config)["params"]
+
+    def walk(tree: dict, shapes: dict, specs: dict) -> None:
+        for key in [k for k in shapes if k.endswith("qscale")]:
+            base = key[: -len("qscale")].rstrip("_") or "kernel"
+            zero = key.replace("qscale", "qzero")
+            if base in _ROW_TABLES:
+                quantized = quantization.quantize_rows(tree.pop(base), config.quantization)
+                tree[base] = quantized.pop("values")
+            else:
+                lead = 1 if tuple(specs[base])[:1] == ("layers",) else 0
+                kernel = tree.pop(base)
+                num_contract = kernel.ndim - lead - (len(shapes[key].shape) - lead - 1)
+                quantized = quantization.quantize_kernel(kernel, lead, num_contract, config.quantization)
+                tree[base] = quantized.pop("kernel")
+            tree[key] = quantized["qscale"]
+            if "qzero" in quantized:
+                tree[zero] = quantized["qzero"]
+        for key, value in shapes.items():
+            if isinstance(value, dict):
+                walk(tree[key], value, specs[key])
+
+    walk(params["params"], declared, logical)
+    return params
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:

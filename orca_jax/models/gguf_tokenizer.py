@@ -9,7 +9,7 @@ weights were read with, and wraps it in a `transformers.PreTrainedTokenizerFast`
 import torch).
 
 Two vocabulary kinds (`tokenizer.ggml.model`) are supported:
-  "gpt2"   byte-level BPE with merges (SmolLM, Llama 3, StarCoder, ...). How text is split
+  "gpt2"   byte-level BPE with merges (SmolLM, Llama 3, Qwen, StarCoder, ...). How text is split
            before BPE (`tokenizer.ggml.pre`) follows llama.cpp, the format's reference, which
            reproduces each model's original tokenizer.json.
   "llama"  SentencePiece BPE (Llama 2, TinyLlama, Mistral v0.1, ...): "\u2581" for spaces, byte
@@ -33,15 +33,23 @@ TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "token
 # `tokenizer.ggml.pre` -> how text is split before byte-level BPE, as llama.cpp's llama-vocab.cpp
 # groups them. "gpt2": GPT-2's regex. "digits": every digit alone first, then GPT-2's regex
 # (StarCoder-style vocabularies, SmolLM's among them). "llama3": the cl100k-style regex of Llama 3.
+# "qwen2": Qwen2/2.5/3's regex, Llama 3's but with every digit alone (llama.cpp's
+# LLAMA_VOCAB_PRE_TYPE_QWEN2, which DeepSeek-R1's Qwen distills name "deepseek-r1-qwen").
 _PRE_TOKENIZER_KINDS = {
     "default": "gpt2", "gpt2": "gpt2",
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits", "codeshell": "digits",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
 }
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEXES = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
 def tokenizer_from_gguf(reader) -> Any:
@@ -148,7 +156,7 @@ def _byte_level_pre_tokenizer(pre: str | None):
     if kind == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2_regex])
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(_SPLIT_REGEXES[kind]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 

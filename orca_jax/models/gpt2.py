@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
@@ -32,7 +33,8 @@ class GPT2Block(DecoderBlock):
     @nn.nowrap
     def make_mlp(self) -> nn.Module:
         c = self.config
-        return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
+        return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, c.quantization,
+                   name="mlp")
 
 
 class GPT2ForCausalLM(LlamaForCausalLM):
@@ -46,7 +48,7 @@ class GPT2ForCausalLM(LlamaForCausalLM):
             "pos_embed", nn.with_logical_partitioning(nn.initializers.normal(0.01), ("positions", "embed")),
             (c.max_position_embeddings, c.hidden_size), self.dtype,
         )
-        return jnp.take(embedding, input_ids, axis=0) + jnp.take(table, positions, axis=0)
+        return quantization.take_rows(embedding, input_ids, self.dtype) + jnp.take(table, positions, axis=0)
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import kernels, parallel
+from orca_jax import kernels, parallel, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 
@@ -128,28 +128,92 @@ class Einsum(nn.Module):
     """A weight with named axes, applied by an einsum (`"TD,DNH->TNH"`); optional bias over
     the output axes. `axes`: the logical name of each kernel axis (`("embed", "heads",
     "head_dim")`), which the sharding rules map to the mesh (orca_jax/parallel.py); the bias
-    takes the names of the kernel axes it spans."""
+    takes the names of the kernel axes it spans. The kernel's contraction axes come first.
+
+    `quantization` (a format of orca_jax.quantization): the kernel is stored quantized, with
+    its `qscale` (and `qzero`) beside it, their output axes named as the kernel's, so they
+    shard with it."""
 
     spec: str
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     use_bias: bool = False
     dtype: Any = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
-                            self.shape, self.dtype)
-        y = jnp.einsum(self.spec, x, kernel)
+        num_contract = len(self.shape) - len(self._out_dims())
+        if self.quantization is None:
+            kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+                                self.shape, self.dtype)
+        else:
+            kernel = self._quantized_kernel(num_contract)
+        y = quantization.einsum(self.spec, x, kernel)
         if self.use_bias:
-            out_axes = self.spec.split("->")[1][1:]  # output axes after the token axis
-            kernel_axes = self.spec.split(",")[1].split("->")[0]
-            bias_dims = [kernel_axes.index(a) for a in out_axes]
+            bias_dims = self._out_dims()
             bias_axes = tuple(self.axes[d] for d in bias_dims)
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
                               tuple(self.shape[d] for d in bias_dims), self.dtype)
             y = y + bias
         return y
+
+    def _out_dims(self) -> list[int]:
+        """Kernel dimensions of the output axes, in the output's order."""
+        out_axes = self.spec.split("->")[1][1:]  # output axes after the token axis
+        kernel_axes = self.spec.split(",")[1].split("->")[0]
+        return [kernel_axes.index(a) for a in out_axes]
+
+    def _quantized_kernel(self, num_contract: int) -> quantization.QuantizedKernel:
+        if self._out_dims() != list(range(num_contract, len(self.shape))):
+            raise ValueError(f"a quantized Einsum needs its contraction axes first and its output axes in order: "
+                             f"{self.spec}")
+        return quantized_kernel(self, "kernel", "qscale", "qzero", self.shape, self.axes, num_contract,
+                                self.quantization)
+
+
+def quantized_kernel(module: nn.Module, name: str, scale_name: str, zero_name: str, shape: tuple[int, ...],
+                     axes: tuple[str, ...], num_contract: int, method: str) -> quantization.QuantizedKernel:
+    """Declare a quantized kernel [*contract, *out] on `module` (inside its compact method): its
+    values `name`, its scales `scale_name` [G, *out] (and offsets `zero_name`), the scales'
+    output axes named as the kernel's so that they shard with it."""
+    contraction = int(np.prod(shape[:num_contract]))
+    num_groups = contraction // quantization.group_size(method, contraction)
+    # Groups along a sharded contraction (o_proj's heads, down_proj's mlp) shard with it.
+    group_axis = axes[0] if num_groups > 1 else "quant_groups"
+    scale_shape = (num_groups, *shape[num_contract:])
+    scale_axes = (group_axis, *axes[num_contract:])
+    values = module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                          quantization.VALUE_DTYPES[method])
+    scale_dtype = quantization.SCALE_DTYPES[method]
+    scale = module.param(scale_name, nn.with_logical_partitioning(nn.initializers.ones, scale_axes),
+                         scale_shape, scale_dtype)
+    zero = None
+    if quantization.has_offset(method):
+        zero = module.param(zero_name, nn.with_logical_partitioning(nn.initializers.zeros, scale_axes),
+                            scale_shape, scale_dtype)
+    return quantization.QuantizedKernel(values, scale, zero)
+
+
+def embedding_table(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str], dtype,
+                    method: str | None):
+    """An embedding table parameter `name` [V, D] declared on `module` (call inside its compact
+    method): a float array, or with `method` a QuantizedTable whose scales are `{name}_qscale`
+    (and `{name}_qzero`) [V, G], sharded with the table's rows."""
+    if method is None:
+        return module.param(name, nn.with_logical_partitioning(nn.initializers.normal(0.02), axes), shape, dtype)
+    num_groups = shape[1] // quantization.group_size(method, shape[1])
+    scale_axes = (axes[0], axes[1] if num_groups > 1 else "quant_groups")
+    values = module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                          quantization.VALUE_DTYPES[method])
+    scale_dtype = quantization.SCALE_DTYPES[method]
+    scale = module.param(f"{name}_qscale", nn.with_logical_partitioning(nn.initializers.ones, scale_axes),
+                         (shape[0], num_groups), scale_dtype)
+    zero = None
+    if quantization.has_offset(method):
+        zero = module.param(f"{name}_qzero", nn.with_logical_partitioning(nn.initializers.zeros, scale_axes),
+                            (shape[0], num_groups), scale_dtype)
+    return quantization.QuantizedTable(values, scale, zero)
 
 
 # By transformers' `hidden_act` names (`ModelConfig.hidden_act`).
@@ -177,14 +241,15 @@ class GatedMLP(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     activation: str = "silu"
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x):
-        D, F = self.hidden_size, self.intermediate_size
-        gate = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="gate_proj")(x)
-        up = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj")(x)
+        D, F, q = self.hidden_size, self.intermediate_size, self.quantization
+        gate = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, q, name="gate_proj")(x)
+        up = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, q, name="up_proj")(x)
         act = activation(self.activation)
-        down = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj")
+        down = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, q, name="down_proj")
         return down(act(gate) * up)
 
 
@@ -196,12 +261,13 @@ class MLP(nn.Module):
     use_bias: bool = True
     dtype: Any = jnp.float32
     activation: str = "gelu_new"
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x):
-        D, F = self.hidden_size, self.intermediate_size
-        h = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, name="fc")(x)
-        proj = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, name="proj")
+        D, F, q = self.hidden_size, self.intermediate_size, self.quantization
+        h = Einsum("TD,DF->TF", (D, F), ("embed", "mlp"), self.use_bias, self.dtype, q, name="fc")(x)
+        proj = Einsum("TF,FD->TD", (F, D), ("mlp", "embed"), self.use_bias, self.dtype, q, name="proj")
         return proj(activation(self.activation)(h))
 
 
@@ -227,15 +293,16 @@ class PagedAttention(nn.Module):
     # A device mesh (tensor parallelism): the cache write and attention then run per shard,
     # on each device's own heads. None: one device, the kernels called directly.
     mesh: Any = None
+    quantization: str | None = None  # of the four projections (orca_jax.quantization)
 
     @nn.compact
     def __call__(self, x, kv_pages, metadata: AttentionMetadata, rope_inv_freq: np.ndarray | None):
         """x [T, D]; kv_pages [pages, page_size, 2K, H] (this layer's, via metadata.for_layer)."""
-        D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        D, N, K, H, qz = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.quantization
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-        q = Einsum("TD,DNH->TNH", (D, N, H), q_axes, self.qkv_bias, self.dtype, name="q_proj")(x)
-        k = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, name="k_proj")(x)
-        v = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, name="v_proj")(x)
+        q = Einsum("TD,DNH->TNH", (D, N, H), q_axes, self.qkv_bias, self.dtype, qz, name="q_proj")(x)
+        k = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, qz, name="k_proj")(x)
+        v = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, qz, name="v_proj")(x)
         if self.qk_norm_eps is not None:
             q = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="q_norm")(q)
             k = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="k_norm")(k)
@@ -245,7 +312,7 @@ class PagedAttention(nn.Module):
         attend = self._attend if self.mesh is None else parallel.per_shard_attention(self.mesh, self._attend)
         out, kv_pages = attend(q, k, v, kv_pages, metadata)
         o_axes = ("heads", "head_dim", "embed")
-        out = Einsum("TNH,NHD->TD", (N, H, D), o_axes, self.o_bias, self.dtype, name="o_proj")(out)
+        out = Einsum("TNH,NHD->TD", (N, H, D), o_axes, self.o_bias, self.dtype, qz, name="o_proj")(out)
         return out, kv_pages
 
     @nn.nowrap

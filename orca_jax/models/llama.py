@@ -18,12 +18,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel
+from orca_jax import parallel, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.models.layers import GatedMLP, PagedAttention, RMSNorm, model_inv_freq, run_layer_stack
+from orca_jax.models.layers import (GatedMLP, PagedAttention, RMSNorm, embedding_table, model_inv_freq, quantized_kernel,
+                                    run_layer_stack)
 
 
 class DecoderBlock(nn.Module):
@@ -53,7 +54,8 @@ class DecoderBlock(nn.Module):
     @nn.nowrap
     def make_mlp(self) -> nn.Module:
         c = self.config
-        return GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, name="mlp")
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, c.hidden_act, c.quantization,
+                        name="mlp")
 
     @nn.nowrap
     def make_attention(self) -> nn.Module:
@@ -63,7 +65,7 @@ class DecoderBlock(nn.Module):
             hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             sliding_window=c.sliding_window, soft_cap=c.attn_logit_softcapping, attention_impl=self.attention_impl,
             dtype=self.dtype, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, mesh=self.mesh,
-            name="attn",
+            quantization=c.quantization, name="attn",
         )
 
 
@@ -75,18 +77,29 @@ class LlamaForCausalLM(nn.Module):
     block: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     @nn.nowrap
+    def lm_head(self, c: ModelConfig):
+        """The untied head [D, V], quantized with the layers when they are."""
+        shape, axes = (c.hidden_size, c.vocab_size), ("embed", "vocab")
+        if c.quantization is None:
+            return self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), axes), shape,
+                              self.dtype)
+        return quantized_kernel(self, "lm_head", "lm_head_qscale", "lm_head_qzero", shape, axes, 1, c.quantization)
+
+    @nn.nowrap
     def embed(self, embedding, input_ids, positions):
         """Token embeddings of the flattened tokens (families with learned positions add them)."""
         del positions  # RoPE applies positions inside attention
-        return jnp.take(embedding, input_ids, axis=0)
+        return quantization.take_rows(embedding, input_ids, self.dtype)
 
     @nn.compact
     def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
         Returns (logits f32[S, V], kv_cache)."""
         c = self.config
-        embedding = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
-                               (c.vocab_size, c.hidden_size), self.dtype)
+        # The table (and a separate head) quantized with the layers: at V = 49,152 it is a fifth
+        # of a small model's weights, and a tied head reads all of it at every step.
+        embedding = embedding_table(self, "embed", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype,
+                                    c.quantization)
         x = self.embed(embedding, input_ids, metadata.positions)
         x, kv_cache = run_layer_stack(
             self.block, x, kv_cache, metadata, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
@@ -94,11 +107,10 @@ class LlamaForCausalLM(nn.Module):
         )
         h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
-            logits = jnp.einsum("SD,VD->SV", h, embedding, preferred_element_type=jnp.float32)
+            logits = quantization.table_logits(h, embedding)
         else:
-            head = self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
-                              (c.hidden_size, c.vocab_size), self.dtype)
-            logits = jnp.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
+            head = self.lm_head(c)
+            logits = quantization.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
         if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
             logits = parallel.gather_logits(self.mesh, logits)
         return logits, kv_cache

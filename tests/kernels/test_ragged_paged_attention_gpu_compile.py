@@ -7,7 +7,10 @@ shared memory, which is what its speed on a GPU depends on first.
 
 bfloat16 is what a GPU serves (`dtype="auto"` takes the checkpoint's): its serving shapes must
 not spill. float32 compiles to plain FMA code that does spill (see the table printed by
-`python -m orca_jax.kernels.triton_compile`); here it must only compile and fit.
+`python -m orca_jax.kernels.triton_compile`); here it must only compile and fit. The 8-bit
+caches (int8, float8_e4m3fn; kernels/kv_quant.py) with bfloat16 queries must not spill either,
+on the A100 too, where Triton has no float8 conversion (the kernel decodes float8 bits with
+integer operations, so its Triton IR holds no float8 arithmetic).
 """
 
 from __future__ import annotations
@@ -83,6 +86,23 @@ def test_float32_compiles_and_fits_shared_memory(step, capability):
     report = compiled("llama-8b", step, "float32", capability)
     assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
     assert 0 < report.registers <= 255
+
+
+@pytest.mark.parametrize("capability", tc.SERVING_CAPABILITIES, ids=lambda c: f"sm{c}")
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("step", ["decode-256", "prefill-4096"])
+def test_8bit_cache_serving_shapes_do_not_spill(step, kv_dtype, capability):
+    kernel = lowered("llama-8b", step, "bfloat16", kv_dtype=kv_dtype)
+    # Values, then each scale byte, of K and of V: loads of whole power-of-two tiles; float8 is
+    # only loaded and reinterpreted as int8, never converted (which sm_80 could not do).
+    assert kernel.ttir.count("tt.dot") == 2
+    assert "tt.fp_to_fp" not in kernel.ttir
+    report = tc.compile_for_nvidia(kernel, capability)
+    print(f"llama-8b {step} bfloat16 q, {kv_dtype} cache: {report}")
+    assert not report.spills, f"{step} with a {kv_dtype} cache spills registers on {report.arch}: {report}"
+    assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
+    rows = 16 if step.startswith("decode") else 64
+    assert report.matmul == ("wgmma" if capability == 90 and rows == 64 else "mma.sync")
 
 
 def test_spill_check_sees_spills():

@@ -1,0 +1,152 @@
+"""GGUF architectures: which `general.architecture` values load, and what their metadata means.
+
+llama.cpp's converter (convert_hf_to_gguf.py) is the format's reference, so each entry here says
+what that converter writes for the HF family, and how to read it back:
+
+  "llama"  LlamaForCausalLM and MistralForCausalLM alike (llama.cpp has no "mistral"
+           architecture). Its RoPE is the interleaved kind (LLAMA_ROPE_TYPE_NORM), so the
+           converter permuted the Q and K rows (`LlamaModel.permute`); the loader undoes that.
+  "qwen2"  Qwen2 / Qwen2.5: Q, K, V biases. NEOX RoPE (rotate-half, as in transformers), so the
+           rows were written as they are: nothing to undo.
+  "qwen3"  Qwen3: per-head `attn_q_norm` / `attn_k_norm`, head_dim from `attention.key_length`
+           (not hidden / heads). NEOX RoPE, rows unpermuted, like qwen2.
+
+The metadata is turned into the HF `config.json` keys it stands for (`hf_config`), which the
+family's own parser (`orca_jax.models.config_from_hf`) then reads: GGUF and HF checkpoints share
+one set of defaults and checks, and the switches (qkv_bias, qk_norm, sliding_window, head_dim)
+follow from the model_type chosen here exactly as they do for an HF directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    model_type: str  # the orca_jax model family that runs it (orca_jax.models.ARCHITECTURES)
+    # True where llama.cpp's converter reordered each Q/K head's rows into interleaved pairs for
+    # its NORM RoPE; False for NEOX-RoPE architectures, whose rows are stored as in HF.
+    rope_rows_permuted: bool
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("llama", rope_rows_permuted=True),
+    "qwen2": GGUFArchitecture("qwen2", rope_rows_permuted=False),
+    "qwen3": GGUFArchitecture("qwen3", rope_rows_permuted=False),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+# Architectures people are likely to try, and why they are refused (the error says so).
+_WHY_NOT = {
+    "gpt2": "llama.cpp stores GPT-2's attention as one fused attn_qkv tensor and its Conv1D weights "
+            "transposed, which this loader does not read yet; load the HF checkpoint instead",
+    "mistral3": "Ministral 3 files carry YaRN RoPE and attention temperature scaling, which orca_jax "
+                "does not implement",
+    "qwen2moe": "mixture-of-experts models are not supported",
+    "qwen3moe": "mixture-of-experts models are not supported",
+}
+
+
+def architecture(meta: dict[str, Any]) -> GGUFArchitecture:
+    """The entry for the file's `general.architecture`; ValueError naming the supported ones."""
+    name = meta.get("general.architecture")
+    if name not in ARCHITECTURES:
+        why = f" ({_WHY_NOT[name]})" if name in _WHY_NOT else ""
+        raise ValueError(
+            f"unsupported GGUF architecture {name!r}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[name]
+
+
+def rope_rows_permuted(meta: dict[str, Any]) -> bool:
+    """Whether the file's Q/K rows need `unpermute_rope_rows` to get back HF's layout."""
+    return architecture(meta).rope_rows_permuted
+
+
+def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """GGUF metadata -> the HF `config.json` dict it stands for. Checks here only what the HF
+    parser cannot see (metadata a config.json has no key for); the rest is left to it."""
+    arch_name = meta.get("general.architecture")
+    arch = architecture(meta)
+
+    def key(name, default=None):
+        return meta.get(f"{arch_name}.{name}", default)
+
+    heads = _same_in_every_layer(key("attention.head_count"), "attention.head_count")
+    head_dim = key("attention.key_length")
+    _check_value_length(key("attention.value_length"), head_dim)
+    hf = {
+        "vocab_size": key("vocab_size", 0),  # the loader takes it from the embedding's shape
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": _same_in_every_layer(key("feed_forward_length"), "feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        # None: as many as query heads.
+        "num_key_value_heads": _same_in_every_layer(key("attention.head_count_kv"), "attention.head_count_kv"),
+        "head_dim": head_dim,  # None: hidden_size / heads
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": key("context_length", 2048),
+        "tie_word_embeddings": True,  # the loader unties it when the file has output.weight
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        **_rope_scaling(key),
+        **_sliding_window(key),
+    }
+    _check_full_rotary(key("rope.dimension_count"), hf)
+    # A window is what tells a Mistral file from a Llama one (same architecture name); the two
+    # parse alike, the name only keeps logs and checkpoint markers honest.
+    windowed = arch.model_type == "llama" and hf.get("sliding_window") is not None
+    hf["model_type"] = "mistral" if windowed else arch.model_type
+    return hf
+
+
+def _same_in_every_layer(value, name: str):
+    """A per-layer array (llama.cpp allows one for head counts and FFN widths) is fine when every
+    layer agrees: the layers run as one scan over stacked weights."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if len(set(value)) != 1:
+        raise ValueError(f"GGUF {name} differs between layers ({list(value)}); not supported")
+    return value[0]
+
+
+def _check_value_length(value_length, key_length) -> None:
+    if value_length is not None and key_length is not None and value_length != key_length:
+        raise ValueError(f"GGUF attention.value_length {value_length} != key_length {key_length}; not supported")
+
+
+def _check_full_rotary(rope_dims, hf: dict[str, Any]) -> None:
+    """llama.cpp writes rope.dimension_count = head_dim for these families; fewer would mean
+    partial rotary embeddings, which the model does not implement."""
+    if rope_dims is None or not (hf["head_dim"] or (hf["hidden_size"] and hf["num_attention_heads"])):
+        return  # nothing to compare (a file missing its sizes fails in the family parser)
+    head_dim = hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
+    if rope_dims != head_dim:
+        raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim} (partial RoPE); not supported")
+
+
+def _rope_scaling(key) -> dict[str, Any]:
+    """`rope.scaling.type` as the HF `rope_scaling` it came from, so that the family parser
+    accepts or refuses it as it would the HF config (Llama 3's scaling needs no key: the file
+    carries it as the rope_freqs tensor)."""
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    return {"rope_scaling": {"rope_type": kind, "factor": key("rope.scaling.factor")}}
+
+
+def _sliding_window(key) -> dict[str, Any]:
+    """`attention.sliding_window` (0: none) and, when present, its per-layer pattern as HF's
+    `layer_types`. llama.cpp's converter writes no window for MistralForCausalLM (Mistral 7B
+    v0.1's 4096 is dropped, and llama.cpp runs it with full attention); files that carry one get
+    it applied, as the HF config would."""
+    window = key("attention.sliding_window")
+    if not window:
+        return {}
+    pattern = key("attention.sliding_window_pattern")
+    if pattern is None:
+        return {"sliding_window": window}
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}

@@ -1,0 +1,510 @@
+"""GGUF files of the Llama-block families (llama, mistral, qwen2, qwen3) against the transformers
+models they were converted from.
+
+Each tiny random HF model is written to GGUF here the way llama.cpp's convert_hf_to_gguf.py
+writes it: tensor names from gguf-py's own `TensorNameMap` (what the converter maps with), the
+metadata keys `TextModel.set_gguf_parameters` writes (plus `LlamaModel`'s vocab size and RoPE
+dimensions), and Q/K rows permuted (`LlamaModel.permute`) for the "llama" architecture only,
+which is also what Mistral is written as; Qwen2/Qwen3 (NEOX RoPE) are written unpermuted. The
+file is loaded with `load_model` and its parameter tree compared with the HF weights (exactly).
+Logits are compared with HF's within ATOL two ways: every F32 file's model runs a few ragged
+prompts in one prefill with logits at every position (one compiled program per family, so the
+file stays quick on 2 cores), and the Q8_0 file runs through the engine
+(`drive_engine_against_hf`: chunked prefill, mixed steps, a late arrival), against HF holding
+the file's dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+
+from orca_jax.models import config_from_hf, gguf_arch
+from orca_jax.models.gguf_tokenizer import build_tokenizer
+from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.models.loader import SUPPORTED_GGUF_ARCHITECTURES, gguf_config, hf_to_params, load_model
+
+ATOL = 1e-4  # F32 logits; the Q8_0 case is held to the same bound against its dequantized weights
+MISTRAL_WINDOW = 12  # below most sequence lengths of the parity run, not a multiple of the page size
+VOCAB = 512
+
+# family -> (transformers config class, settings, randomise biases, GGUF architecture). The Qwen2,
+# Qwen3 and Mistral settings are test_model_families.py's, so a full run makes each HF model once.
+FAMILIES = {
+    # GQA 4:2, untied head.
+    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=256, tie_word_embeddings=False,
+                                  initializer_range=0.1), False, "llama"),
+    # GQA 4:1 and a sliding window (see test_mistral_window_is_read_from_the_file_only).
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=256, sliding_window=MISTRAL_WINDOW,
+                                      initializer_range=0.1), False, "llama"),
+    # Random Q/K/V biases, tied head, GQA 4:2.
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=True, initializer_range=0.1), True, "qwen2"),
+    # q_norm/k_norm; head_dim 32, so heads * head_dim (128) != hidden (64).
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  max_position_embeddings=256, initializer_range=0.1), False, "qwen3"),
+}
+# Every F32 file, and the one Q8_0 file (which the engine runs).
+FILES = [(name, "F32") for name in FAMILIES] + [("qwen2", "Q8_0")]
+# One ragged prefill per family; 31 tokens reach past the Mistral window.
+PROMPT_LENGTHS = (5, 23, 31)
+
+# Text for the Qwen-style tokenizer: contractions, digit runs, code, special tokens.
+_QWEN_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, and we'll see 12345 items.",
+    "def add(a, b):\n    return a + b  # x.y_z\n\nprint(add(3, 4))\n",
+    "Qwen splits every digit: 3.14159, 1,000,000 and 0x1F; don't, I'm, they've, we'd.",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n391<|im_end|>\n",
+] * 30
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# PyTorch is the reference here; run it single-threaded (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing GGUF files as llama.cpp's converter does
+# ---------------------------------------------------------------------------------------------
+def _hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """`LlamaModel.permute` of convert_hf_to_gguf.py: each head's [first half, second half] rows
+    become interleaved pairs, for llama.cpp's NORM RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def inverse_permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_metadata(writer, config, arch: str, qtype: str) -> None:
+    """The keys `TextModel.set_gguf_parameters` writes for these configs; `LlamaModel` adds the
+    vocabulary size and RoPE dimensions. key_length only where the config names a head_dim
+    (Qwen2's has none: hidden / heads)."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    head_dim = config.to_dict().get("head_dim")
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.head_dim)
+
+
+def _write_tokenizer(writer, tokenizer: dict) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer["pre"])
+    writer.add_token_list(tokenizer["tokens"])
+    writer.add_token_types(tokenizer["types"])
+    writer.add_token_merges(tokenizer["merges"])
+    writer.add_eos_token_id(tokenizer["eos"])
+
+
+def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str = "F32",
+               window: int | None = None) -> dict[str, np.ndarray]:
+    """Write `hf_model` as llama.cpp would for `arch`; `window` adds attention.sliding_window
+    (which the converter itself does not write). Returns the weights as the file holds them,
+    dequantized and back in HF names and layout."""
+    config = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{config.model_type}")
+    _write_metadata(writer, config, arch, qtype)
+    if window is not None:
+        writer.add_sliding_window(window)
+    _write_tokenizer(writer, tokenizer)
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config.num_hidden_layers)
+    stored = {}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied checkpoint's safetensors hold no head, so neither does the file
+        w = tensor.detach().float().numpy().copy()
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+        permuted = arch == "llama" and heads is not None
+        if permuted:
+            w = permute_rope_rows(w, heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        if qtype == "Q8_0" and w.ndim == 2:  # llama.cpp's q8_0: every matrix; norms, biases F32
+            quantized = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w = gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, w)
+        stored[name] = inverse_permute_rope_rows(w, heads) if permuted else w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers: the tiny GPT-2-style one of conftest, and a Qwen-style one
+# ---------------------------------------------------------------------------------------------
+def _gguf_vocabulary(tokenizer_json: dict, specials: set[int]) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges as the converter stores them (`get_vocab_base`), padded to
+    the model's vocabulary with [PADi] (UNUSED)."""
+    vocab = dict(tokenizer_json["model"]["vocab"])
+    for added in tokenizer_json["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(VOCAB)]
+    types = [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL if i in by_id
+             else gguf.TokenType.UNUSED for i in range(VOCAB)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+    return tokens, [int(t) for t in types], merges
+
+
+def gpt2_style_tokenizer_metadata(hf_dir: Path) -> dict:
+    """The tiny byte-level BPE saved next to every test model (GPT-2's regex: pre "gpt2")."""
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    specials = {a["id"] for a in data["added_tokens"] if a["special"]}
+    tokens, types, merges = _gguf_vocabulary(data, specials)
+    return dict(pre="gpt2", tokens=tokens, types=types, merges=merges, eos=2)
+
+
+def make_qwen_style_tokenizer():
+    """A byte-level BPE trained the way Qwen2's tokenizer.json splits text (its own regex from
+    transformers, digits one by one, NFC first), with Qwen's special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=_QWEN_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_QWEN_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+
+
+def qwen_style_tokenizer_metadata(hf_tokenizer) -> dict:
+    data = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    specials = {hf_tokenizer.convert_tokens_to_ids(t) for t in _QWEN_SPECIALS}
+    tokens, types, merges = _gguf_vocabulary(data, specials)
+    return dict(pre="qwen2", tokens=tokens, types=types, merges=merges,
+                eos=hf_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: the HF models, their GGUF files, one engine run per parity case
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    return make_qwen_style_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tiny_hf_model_factory):
+    return {name: tiny_hf_model_factory(cls, seed=1, random_biases=biases, vocab_size=VOCAB, **settings)
+            for name, (cls, settings, biases, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(hf_dirs, qwen_tokenizer, tmp_path_factory):
+    """(family, file type) -> (path, the weights it holds in HF layout), for every FILES entry."""
+    out = tmp_path_factory.mktemp("gguf-families")
+    files = {}
+    for name, qtype in FILES:
+        arch = FAMILIES[name][3]
+        tokenizer = (qwen_style_tokenizer_metadata(qwen_tokenizer) if arch.startswith("qwen")
+                     else gpt2_style_tokenizer_metadata(hf_dirs[name]))
+        window = MISTRAL_WINDOW if name == "mistral" else None
+        path = out / f"{name}-{qtype}.gguf"
+        stored = write_gguf(path, _hf_model(hf_dirs[name]), arch, tokenizer, qtype, window)
+        files[name, qtype] = path, stored
+    return files
+
+
+def hf_holding(hf_dir: Path, weights: dict[str, np.ndarray]):
+    """The HF model of `hf_dir` with `weights` (HF names) loaded in: the reference for a
+    quantized file is the model its dequantized weights make."""
+    model = _hf_model(hf_dir)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the head is the embedding
+    return model
+
+
+def model_logits_at_every_position(loaded, prompts: list[list[int]]) -> list[np.ndarray]:
+    """All `prompts` prefilled in one step of the loaded model (flat token axis, paged reference
+    attention), with logits at every position: one [len(prompt), vocab] array per prompt."""
+    import jax.numpy as jnp
+
+    from orca_jax.batch import build_batch
+    from orca_jax.config import EngineConfig
+    from orca_jax.kv_cache import PageAllocator
+    from orca_jax.models import architecture
+    from orca_jax.sampling_params import SamplingParams
+    from orca_jax.sequence import Sequence
+
+    c, page_size, num_pages = loaded.config, 8, 16
+    engine_config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=64, page_size=page_size,
+                                 num_pages=num_pages, max_model_len=64).resolve(c)
+    allocator, rows = PageAllocator(num_pages, page_size), []
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=1), 0)
+        seq.page_ids = allocator.allocate(-(-len(prompt) // page_size))
+        rows.append((seq, len(prompt)))
+    batch = build_batch(engine_config, rows)
+    every_position = np.arange(len(batch.input_ids), dtype=np.int32)
+    kv_cache = jnp.zeros((c.num_layers, num_pages, page_size, 2 * c.num_kv_heads, c.head_dim), jnp.float32)
+    model = architecture(c.model_type).model_class(c, "reference", jnp.float32)
+    logits, _ = jax.jit(model.apply)(loaded.params, jnp.asarray(batch.input_ids), kv_cache,
+                                     jax.tree.map(jnp.asarray, batch.metadata), every_position)
+    logits, bounds = np.asarray(logits), np.cumsum([0, *map(len, prompts)])
+    return [logits[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+@pytest.fixture(scope="module")
+def forward_results(hf_dirs, gguf_files):
+    """family -> (loaded model, max |logit difference| to HF over every position of every prompt)."""
+    results = {}
+    for i, name in enumerate(FAMILIES):
+        loaded = load_model(gguf_files[name, "F32"][0])
+        rng = np.random.default_rng(i)
+        prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+        hf = _hf_model(hf_dirs[name])
+        diff = 0.0
+        for prompt, ours in zip(prompts, model_logits_at_every_position(loaded, prompts)):
+            with torch.no_grad():
+                reference = hf(torch.tensor([prompt])).logits[0].numpy()
+            diff = max(diff, float(np.abs(ours - reference).max()))
+        results[name] = loaded, diff
+    return results
+
+
+@pytest.fixture(scope="module")
+def q8_engine_result(hf_dirs, gguf_files, engine_parity, make_logits_engine):
+    """The Q8_0 file through the engine, against HF holding the file's dequantized weights."""
+    path, stored = gguf_files["qwen2", "Q8_0"]
+    engine = make_logits_engine(
+        model=str(path), warmup=False, page_size=8, max_num_batched_tokens=16, max_num_seqs=4,
+        num_pages=64, max_model_len=128, attention_impl="reference", model_cache_dir=None,
+    )
+    stats = engine_parity(engine, hf_holding(hf_dirs["qwen2"], stored), np.random.default_rng(7))
+    return engine, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_f32_file_loads_to_the_hf_weights(hf_dirs, gguf_files, name):
+    """Exact: no rows left permuted (llama, mistral) and none wrongly unpermuted (qwen2, qwen3)."""
+    loaded = load_model(gguf_files[name, "F32"][0])
+    hf = _hf_model(hf_dirs[name])
+    expected_config = config_from_hf(json.loads((hf_dirs[name] / "config.json").read_text()))
+    state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    expected = hf_to_params(state, expected_config)
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(expected)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(loaded.params), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+    c = loaded.config
+    for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+                  "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window", "hidden_act"):
+        assert getattr(c, field) == getattr(expected_config, field), field
+    assert c.rms_norm_eps == pytest.approx(expected_config.rms_norm_eps)
+
+
+def test_the_switches_each_family_needs(gguf_files):
+    configs = {name: load_model(gguf_files[name, "F32"][0]).config for name in FAMILIES}
+    assert (configs["llama"].model_type, configs["llama"].sliding_window) == ("llama", None)
+    assert (configs["mistral"].model_type, configs["mistral"].sliding_window) == ("mistral", MISTRAL_WINDOW)
+    assert configs["qwen2"].qkv_bias and not configs["qwen2"].o_bias and configs["qwen2"].tie_word_embeddings
+    assert configs["qwen3"].qk_norm and configs["qwen3"].head_dim == 32 and not configs["qwen3"].qkv_bias
+
+
+def test_transformers_reads_the_qwen2_file_unpermuted(hf_dirs, gguf_files):
+    """An independent reader of the same file: transformers undoes the permutation for "llama"
+    files only, and gets the HF weights back from the qwen2 file, so its rows are HF's own."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_files["qwen2", "F32"][0]
+    from_gguf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    reference = _hf_model(hf_dirs["qwen2"]).state_dict()
+    for name, value in from_gguf.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), reference[name].numpy(), err_msg=name)
+
+
+def test_unpermuting_a_qwen_file_would_break_it(gguf_files, monkeypatch):
+    """Guards the test above and the parity below: the permutation is not a no-op on these
+    shapes, so treating qwen2 rows as llama's would change the weights."""
+    path = gguf_files["qwen2", "F32"][0]
+    right = load_model(path).params["params"]["layers"]["attn"]["q_proj"]
+    monkeypatch.setattr(gguf_arch, "rope_rows_permuted", lambda meta: True)
+    wrong = load_model(path).params["params"]["layers"]["attn"]["q_proj"]
+    assert not np.array_equal(right["kernel"], wrong["kernel"]) and not np.array_equal(right["bias"], wrong["bias"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_f32_logits_match_transformers_at_every_position(forward_results, name):
+    loaded, diff = forward_results[name]
+    print(f"{name} F32: max |logit diff| = {diff:.3e} over {sum(PROMPT_LENGTHS)} positions")
+    assert diff <= ATOL, f"{name}: max abs logit difference {diff:.3e} > {ATOL}"
+    assert loaded.config.model_type == name
+
+
+def test_q8_0_file_through_the_engine_matches_its_dequantized_weights(q8_engine_result):
+    engine, stats = q8_engine_result
+    print(f"qwen2 Q8_0: max |logit diff| = {stats['max_diff']:.3e} over {stats['compared_rows']} rows, "
+          f"{stats['steps']} steps ({stats['mixed_steps']} mixed)")
+    assert stats["max_diff"] <= ATOL, f"max abs logit difference {stats['max_diff']:.3e} > {ATOL}"
+    assert engine.model_config.model_type == "qwen2" and type(engine.runner.model) is LlamaForCausalLM
+
+
+def test_q8_0_file_holds_quantized_weights(hf_dirs, gguf_files):
+    """The Q8_0 reference is not the float model in disguise: its matrices moved, a little."""
+    _, stored = gguf_files["qwen2", "Q8_0"]
+    exact = _hf_model(hf_dirs["qwen2"]).state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
+    q8 = stored["model.layers.0.self_attn.q_proj.weight"]
+    assert not np.array_equal(q8, exact)
+    np.testing.assert_allclose(q8, exact, atol=np.abs(exact).max() / 100)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------
+QWEN_TEXTS = [
+    "It's 2024; I'll count 1234567890 twice: 1234567890.",
+    "def f(x):\n    return x.y_z * 3.14159  # don't\n\n\n",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces, trailing  \n\tand tabs",
+    "THEY'VE WE'D x.hello ...!!! ???",
+]
+
+
+def test_qwen_file_tokenizes_like_its_hf_tokenizer(gguf_files, qwen_tokenizer):
+    loaded = load_model(gguf_files["qwen3", "F32"][0])
+    for text in QWEN_TEXTS:
+        assert loaded.tokenizer.encode(text, add_special_tokens=False) == qwen_tokenizer.encode(
+            text, add_special_tokens=False), text
+        assert loaded.tokenizer.decode(loaded.tokenizer.encode(text, add_special_tokens=False)) == text
+    assert loaded.config.eos_token_ids == (qwen_tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert loaded.tokenizer.encode("hi") == loaded.tokenizer.encode("hi", add_special_tokens=False)  # no BOS
+
+
+def test_qwen2_pre_tokenizer_splits_like_qwens_own(qwen_tokenizer):
+    """How text is cut before BPE, compared directly (this small vocabulary has no multi-digit
+    tokens, so encodings alone would not tell Qwen's single digits from Llama 3's triples)."""
+    meta = qwen_style_tokenizer_metadata(qwen_tokenizer)
+
+    def pieces(backend, text):
+        normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
+        return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(normalized)]
+
+    def splitter(pre):
+        return build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                                "tokenizer.ggml.tokens": meta["tokens"], "tokenizer.ggml.token_type": meta["types"],
+                                "tokenizer.ggml.merges": meta["merges"]}).backend_tokenizer
+
+    reference = qwen_tokenizer.backend_tokenizer
+    texts = [text for text in QWEN_TEXTS if "<|" not in text]  # special tokens are matched before splitting
+    for pre in ("qwen2", "deepseek-r1-qwen"):  # llama.cpp's two names for it
+        assert [pieces(splitter(pre), t) for t in texts] == [pieces(reference, t) for t in texts], pre
+    for other in ("gpt2", "llama-bpe"):
+        assert [pieces(splitter(other), t) for t in texts] != [pieces(reference, t) for t in texts], other
+    assert pieces(splitter("qwen2"), "x 2024") == ["x", "Ġ", "2", "0", "2", "4"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata -> config, and what is refused
+# ---------------------------------------------------------------------------------------------
+def _meta(arch: str, **extra) -> dict:
+    meta = {"general.architecture": arch, "tokenizer.ggml.eos_token_id": 2}
+    sizes = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "attention.head_count": 4,
+             "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6,
+             "context_length": 1024}
+    meta.update({f"{arch}.{k}": v for k, v in {**sizes, **extra}.items()})
+    return meta
+
+
+def test_mistral_window_is_read_from_the_file_only():
+    """llama.cpp writes Mistral as "llama" without its window; such a file runs with full
+    attention (as in llama.cpp), one that names a window gets it, 0 means none."""
+    plain = gguf_config(_meta("llama"))
+    assert (plain.model_type, plain.sliding_window) == ("llama", None)
+    c = gguf_config(_meta("llama", **{"attention.sliding_window": 4096}))
+    assert (c.model_type, c.sliding_window) == ("mistral", 4096)
+    assert gguf_config(_meta("llama", **{"attention.sliding_window": 0})).sliding_window is None
+    everywhere = {"attention.sliding_window": 64, "attention.sliding_window_pattern": [True, True]}
+    assert gguf_config(_meta("llama", **everywhere)).sliding_window == 64
+    with pytest.raises(ValueError, match="some layers"):
+        gguf_config(_meta("llama", **{**everywhere, "attention.sliding_window_pattern": [True, False]}))
+
+
+def test_qwen_metadata_gives_the_qwen_switches():
+    c = gguf_config(_meta("qwen2"))
+    assert (c.model_type, c.qkv_bias, c.o_bias, c.qk_norm, c.head_dim) == ("qwen2", True, False, False, 16)
+    assert (c.rope_theta, c.max_position_embeddings, c.rms_norm_eps) == (1e6, 1024, pytest.approx(1e-6))
+    c = gguf_config(_meta("qwen3", **{"attention.key_length": 128, "attention.value_length": 128}))
+    assert (c.model_type, c.qk_norm, c.qkv_bias, c.head_dim, c.eos_token_ids) == ("qwen3", True, False, 128, (2,))
+    assert gguf_arch.rope_rows_permuted(_meta("llama")) and not gguf_arch.rope_rows_permuted(_meta("qwen2"))
+    assert not gguf_arch.rope_rows_permuted(_meta("qwen3"))
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "rope scaling 'yarn'"),
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, "rope scaling 'linear'"),
+    ({"rope.dimension_count": 8}, "partial RoPE"),
+    ({"attention.key_length": 16, "attention.value_length": 32}, "value_length"),
+    ({"attention.head_count_kv": [2, 4]}, "differs between layers"),
+])
+def test_metadata_the_model_cannot_honour_is_refused(extra, match):
+    with pytest.raises(ValueError, match=match):
+        gguf_config(_meta("qwen2", **extra))
+    # ... while per-layer arrays that agree, and "none" scaling, are fine.
+    agreeing = {"attention.head_count_kv": [2, 2], "rope.scaling.type": "none"}
+    assert gguf_config(_meta("qwen2", **agreeing)).num_kv_heads == 2
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "mistral3"])
+def test_unknown_architecture_is_refused_listing_the_supported_ones(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"unsupported GGUF architecture '{arch}'") as info:
+        load_model(path)
+    assert str(info.value).endswith("supported: llama, qwen2, qwen3")
+    assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3")
+    if arch == "gpt2":
+        assert "attn_qkv" in str(info.value)  # says why, not just no
