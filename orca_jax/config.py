@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orca_jax import kernels
+from orca_jax.kernels import kv_quant
 from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
 from orca_jax.spec_decode.config import SpeculativeConfig
 
@@ -23,8 +24,8 @@ ATTENTION_IMPLS = ("auto", *kernels.available_impls())
 DTYPES = ("float32", "bfloat16")
 # The KV cache's dtypes: the model's float ones, and 8-bit values with a scale per token and head
 # (orca_jax/kernels/kv_quant.py); "fp8" is vLLM's alias of "fp8_e4m3".
-KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8_e4m3", "fp8")
-_KV_STORAGE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+KV_CACHE_DTYPES = (*DTYPES, *kv_quant.KV_CACHE_DTYPES, "fp8")
+_KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
 # Weight formats (orca_jax/quantization.py), by vLLM's `quantization` names.
 QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 # Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
@@ -218,8 +219,11 @@ class EngineConfig:
     def resolved_kv_cache_dtype(self, backend: str) -> str:
         """The cache's storage dtype (a numpy dtype name)."""
         assert self.dtype != "auto", "resolve dtype='auto' first (orca_jax.dtype_policy)"
-        if self.kv_cache_dtype != "auto":
-            return _KV_STORAGE_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        name = _KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if name in kv_quant.KV_CACHE_DTYPES:
+            return kv_quant.KV_CACHE_DTYPES[name].dtype.name
+        if name != "auto":
+            return name
         return "float32" if backend == "cpu" else self.dtype
 
     @property

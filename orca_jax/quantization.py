@@ -201,9 +201,10 @@ class QuantizedKernel:
 
 def einsum(spec: str, x: jax.Array, kernel: jax.Array | QuantizedKernel, preferred_element_type=None) -> jax.Array:
     """`jnp.einsum(spec, x, kernel)` for a float or a quantized kernel. With one group (per
-    output channel) the scale multiplies the product's output instead of the weight: the
-    kernel is only converted, which XLA folds into the product's operand (docs/benchmarks.md,
-    "Quantized weights", says what XLA:CPU does with it)."""
+    output channel) the scale multiplies the product's output instead of the weight, so the
+    kernel is only converted. Whether the conversion fuses into the product is the backend's
+    choice: XLA:CPU converts each layer's weight into a float temporary next to the dot (per
+    layer, never the stacked weights; docs/benchmarks.md, "Quantized weights and KV cache")."""
     if not isinstance(kernel, QuantizedKernel):
         return jnp.einsum(spec, x, kernel, preferred_element_type=preferred_element_type)
     if kernel.scale.shape[0] == 1 and kernel.zero is None:

@@ -73,3 +73,14 @@ def test_attention_impls_are_the_kernel_registrys_plus_auto():
 def test_model_config_checks_its_head_counts():
     with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
         _model(num_kv_heads=3)
+
+
+@pytest.mark.parametrize("name,storage", [("int8", "int8"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8", "float8_e4m3fn"),
+                                          ("bfloat16", "bfloat16"), ("auto", "float32")])
+def test_kv_cache_dtype_names_resolve_to_their_storage_dtype(name, storage):
+    assert EngineConfig(kv_cache_dtype=name, dtype="float32").resolved_kv_cache_dtype("cpu") == storage
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig(kv_cache_dtype="int4")

@@ -1,4 +1,4 @@
-"""`orca-jax bench orca | offline | serve | simulate | startup | host | prefix | structured | spec`: argument
+"""`orca-jax bench orca | offline | serve | simulate | startup | host | prefix | structured | spec | quant`: argument
 parsing and output files.
 
 Every subcommand prints its table, writes a JSON record (and a figure where there are curves)
@@ -596,6 +596,79 @@ def _add_spec_parser(sub) -> None:
     p.set_defaults(func=cmd_spec)
 
 
+# ---- bench quant -----------------------------------------------------------------------------------
+def cmd_quant(args) -> int:
+    import sys
+
+    from orca_jax.bench.driver import BenchmarkError
+    from orca_jax.bench.environment import command_from_args
+    from orca_jax.bench.quant import QuantSettings, format_report, run_quant
+
+    base = QuantSettings.quick() if args.quick else QuantSettings()
+    given = {name: getattr(args, name) for name in (
+        "configs", "batch_sizes", "prompt_len", "decode_tokens", "rounds", "agreement_tokens", "offline_requests",
+        "offline_scale", "offline_rounds", "max_num_batched_tokens", "page_size", "max_model_len",
+        "kv_cache_memory_bytes", "serve_configs", "serve_parallel", "settle_s") if getattr(args, name) is not None}
+    try:
+        settings = dataclasses.replace(base, model=args.model, seed=args.seed, **given)
+        record = run_quant(settings, command_from_args("quant", args), progress=lambda line: print(line, flush=True))
+    except BenchmarkError as exc:  # a request failed or made the wrong number of tokens, a server did not start
+        print(f"orca-jax bench quant: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(record))
+    write_json(record, args.out)
+    return 0
+
+
+def _add_quant_parser(sub) -> None:
+    from orca_jax.bench.quant import CONFIGS, SERVE_CONFIGS, QuantSettings
+
+    d = QuantSettings()
+    p = sub.add_parser("quant", help="int8 / GGUF-block weights and an 8-bit KV cache against float32 and bfloat16: "
+                                     "memory, KV pool, decode and offline speed, greedy agreement, idle server RSS")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--quick", action="store_true",
+                   help="small defaults for a tiny model (the tests): configs float32,bfloat16,int8+kv_int8,gguf, batch "
+                        "1,2, 8-token outputs, 2 rounds, one token bucket, a 64 KiB KV budget, two small servers at once")
+    p.add_argument("--configs", type=_names, default=None,
+                   help=f"comma-separated among {','.join(CONFIGS)} (default {','.join(d.configs)})")
+    p.add_argument("--batch-sizes", type=_sizes, default=None,
+                   help="decode batch sizes; max_num_seqs is the largest (default %s)" % ",".join(map(str, d.batch_sizes)))
+    p.add_argument("--prompt-len", type=_positive_int, default=None,
+                   help=f"prompt tokens of the decode requests (default {d.prompt_len})")
+    p.add_argument("--decode-tokens", type=_positive_int, default=None,
+                   help=f"output tokens of each decode request, EOS ignored (default {d.decode_tokens})")
+    p.add_argument("--rounds", type=_positive_int, default=None,
+                   help=f"decode rounds of the configurations by turns, medians (default {d.rounds})")
+    p.add_argument("--agreement-tokens", type=_positive_int, default=None,
+                   help=f"greedy tokens compared with float32's (default {d.agreement_tokens})")
+    p.add_argument("--offline-requests", type=_positive_int, default=None,
+                   help=f"requests of Orca's trace, all at t=0 (default {d.offline_requests})")
+    p.add_argument("--offline-scale", type=_positive_float, default=None,
+                   help=f"length scale of Orca's trace (default {d.offline_scale:g}: input U[8, 128], output U[1, 32])")
+    p.add_argument("--offline-rounds", type=_positive_int, default=None,
+                   help=f"offline runs per configuration, by turns (default {d.offline_rounds})")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help=f"token budget per step (default {d.max_num_batched_tokens})")
+    p.add_argument("--page-size", type=_positive_int, default=None, help=f"tokens per KV page (default {d.page_size})")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help=f"every engine's max_model_len (default {d.max_model_len})")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help=f"every engine's KV byte budget (default {d.kv_cache_memory_bytes} = "
+                        f"{d.kv_cache_memory_bytes / 2**20:g} MiB)")
+    p.add_argument("--serve-configs", type=_names, default=None,
+                   help=f"idle `orca-jax serve` memory, comma-separated among {','.join(SERVE_CONFIGS)}; '' for none "
+                        f"(default {','.join(d.serve_configs)})")
+    p.add_argument("--serve-parallel", default=None, action=argparse.BooleanOptionalAction,
+                   help="start the servers at once (default: one after another; --quick: at once)")
+    p.add_argument("--settle", dest="settle_s", type=float, default=None,
+                   help=f"idle seconds after /health answers before reading a server's memory (default {d.settle_s:g})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the offline trace and the engines")
+    p.add_argument("--out", "--json", dest="out", default=f"{RESULTS_DIR}/quant_cpu.json",
+                   help="output JSON ('' for none)")
+    p.set_defaults(func=cmd_quant)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench` and its subcommands on the top-level `orca-jax` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: Orca's experiment, peers, HTTP load, simulation")
@@ -609,3 +682,4 @@ def add_bench_parser(subparsers) -> None:
     _add_prefix_parser(sub)
     _add_structured_parser(sub)
     _add_spec_parser(sub)
+    _add_quant_parser(sub)
