@@ -38,11 +38,13 @@ VARIANTS = {
 # (-0.11%), over 3,209 tokens.
 MAX_PERPLEXITY_CHANGE = 0.02
 NUM_NEW_TOKENS = 32
-# Greedy continuations identical to float32's, of the 16 prompts, at least. Measured on XLA:CPU:
-# int8 weights 9/16 (first differences at tokens 6-27; float32's top-2 logit margin there
-# 0.001-0.14, near-ties), int8 KV cache 13/16 (at tokens 10, 27, 29; margins 0.001-0.044). One
-# below each, for a backend that sums in another order.
-MIN_IDENTICAL = {"int8-weights": 8, "int8-kv-cache": 12}
+# Greedy continuations identical to float32's, of the 16 prompts, at least. Measured on XLA:CPU
+# (AVX2): int8 weights 9/16 (first differences at tokens 6-27; float32's top-2 logit margin there
+# 0.001-0.14, near-ties), int8 KV cache 13/16 (at tokens 10, 27, 29; margins 0.001-0.044). Which
+# near-tie flips depends on the order of the float sums, which differs between CPUs (AVX2 vs
+# AVX-512 code), so the bars sit three below the measured counts; the perplexity bound above is
+# the firm one.
+MIN_IDENTICAL = {"int8-weights": 6, "int8-kv-cache": 10}
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
