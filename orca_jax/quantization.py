@@ -184,10 +184,6 @@ class QuantizedKernel:
     scale: jax.Array  # [G, *out]
     zero: jax.Array | None  # [G, *out] or None
 
-    @property
-    def num_out_axes(self) -> int:
-        return self.scale.ndim - 1
-
     def dequantize(self, dtype) -> jax.Array:
         """The float weight, group by group."""
         num_groups = self.scale.shape[0]

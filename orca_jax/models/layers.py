@@ -185,14 +185,18 @@ def quantized_kernel(module: nn.Module, name: str, scale_name: str, zero_name: s
     scale_axes = (group_axis, *axes[num_contract:])
     values = module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
                           quantization.VALUE_DTYPES[method])
-    scale_dtype = quantization.SCALE_DTYPES[method]
-    scale = module.param(scale_name, nn.with_logical_partitioning(nn.initializers.ones, scale_axes),
-                         scale_shape, scale_dtype)
+    return quantization.QuantizedKernel(values, *_scales(module, scale_name, zero_name, scale_shape, scale_axes, method))
+
+
+def _scales(module: nn.Module, scale_name: str, zero_name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+            method: str):
+    """Declare a quantized weight's scales (and, for formats with one, offsets): (scale, zero or None)."""
+    dtype = quantization.SCALE_DTYPES[method]
+    scale = module.param(scale_name, nn.with_logical_partitioning(nn.initializers.ones, axes), shape, dtype)
     zero = None
     if quantization.has_offset(method):
-        zero = module.param(zero_name, nn.with_logical_partitioning(nn.initializers.zeros, scale_axes),
-                            scale_shape, scale_dtype)
-    return quantization.QuantizedKernel(values, scale, zero)
+        zero = module.param(zero_name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, dtype)
+    return scale, zero
 
 
 def embedding_table(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str], dtype,
@@ -206,14 +210,8 @@ def embedding_table(module: nn.Module, name: str, shape: tuple[int, int], axes: 
     scale_axes = (axes[0], axes[1] if num_groups > 1 else "quant_groups")
     values = module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
                           quantization.VALUE_DTYPES[method])
-    scale_dtype = quantization.SCALE_DTYPES[method]
-    scale = module.param(f"{name}_qscale", nn.with_logical_partitioning(nn.initializers.ones, scale_axes),
-                         (shape[0], num_groups), scale_dtype)
-    zero = None
-    if quantization.has_offset(method):
-        zero = module.param(f"{name}_qzero", nn.with_logical_partitioning(nn.initializers.zeros, scale_axes),
-                            (shape[0], num_groups), scale_dtype)
-    return quantization.QuantizedTable(values, scale, zero)
+    return quantization.QuantizedTable(
+        values, *_scales(module, f"{name}_qscale", f"{name}_qzero", (shape[0], num_groups), scale_axes, method))
 
 
 # By transformers' `hidden_act` names (`ModelConfig.hidden_act`).
