@@ -150,6 +150,10 @@ class BatchState:
         self.sink = config.max_num_seqs
         self.pages_on_device = np.zeros(R, np.int32)  # page-table entries the device holds per slot
         self.sampled_last = np.zeros(R, bool)  # the slot's last row sampled: its next token is on the device
+        # Pipeline parallelism: every token comes from the host. Under Orca's rule a sequence is
+        # scheduled only after its last batch returned, so the host has its token, and only the
+        # last stage samples: the first stage, which embeds, never holds a sampled token.
+        self.tokens_from_host = config.pipeline_parallel_size > 1
         self.params = np.zeros((R, 6), np.float32)
         self.params[:, TOP_P] = self.params[:, REPETITION] = 1.0
         self.top_k = np.zeros(R, np.int32)
@@ -175,7 +179,9 @@ class BatchState:
     def build(self, scheduled: ScheduledBatch, bucket: int | None = None) -> StepInputs:
         n = len(scheduled)
         seqs = scheduled.seqs
-        T = bucket or token_bucket(self.config, max(scheduled.num_tokens, 1))
+        # A padded policy's rectangle ("request_padded") is computed whole: its padding tokens run
+        # through the dense layers after the real ones and write the sink page.
+        T = bucket or token_bucket(self.config, max(scheduled.num_tokens + scheduled.num_padding_tokens, 1))
         S = self.config.seq_bucket(T)
         joins = np.zeros(S, bool)
         for row, seq in enumerate(seqs):
@@ -202,7 +208,7 @@ class BatchState:
         row_flags = _padded(flags.astype(np.int32), S)
 
         input_ids = np.zeros(T, np.int32)
-        on_device = self.sampled_last[slots]
+        on_device = self.sampled_last[slots] & (not self.tokens_from_host)
         num_drafts = np.fromiter((len(d) for d in scheduled.drafts), np.int32, n)
         # Such a row's first token is the pending one (then only its drafts, if any).
         input_ids[(ends - lens)[on_device]] = PENDING_TOKEN

@@ -32,7 +32,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from orca_jax import parallel, quantization
 from orca_jax.config import ModelConfig
@@ -134,6 +135,46 @@ class Checkpoint:
         logger.info("restored %s in %.2f s", self.path / PARAMS_DIR, time.perf_counter() - start)
         return params
 
+    def restore_stages(self, dtype, mesh: Mesh, stage_meshes: list[Mesh], holders: dict[str, list[int]]) -> list[dict]:
+        """Pipeline parallelism: each stage's weights restored straight onto its own devices,
+        none whole on one device. `mesh` is the stage x model mesh (stages on its first axis;
+        their number divides the layers), `stage_meshes` its rows as 1-D "model" meshes,
+        `holders` the stages that hold each top-level weight other than "layers" (a tied table:
+        the first and the last). Stacked layer weights are read sharded over the stages (each
+        row reads its slice) and tensor-parallel within a row; every other weight is read onto
+        its first holder's row and copied to the others. Returns one {"params": ...} per stage."""
+        import orbax.checkpoint as ocp
+
+        dtype = jnp.dtype(dtype or self.dtype)
+        tp = mesh.shape[parallel.MODEL_AXIS]
+
+        def targets(checkpointer, params_dir, saved):
+            specs = parallel.tree_paths(parallel.param_specs(saved, logical_specs(self.config), tp)["params"])
+
+            def target(name, leaf):
+                spec = tuple(specs[name])
+                if name.startswith("layers/"):  # [L, ...]: the layer axis over the stages
+                    sharding = NamedSharding(mesh, P(mesh.axis_names[0], *spec[1:]))
+                else:
+                    sharding = NamedSharding(stage_meshes[holders[name.split("/")[0]][0]], P(*spec))
+                return jax.ShapeDtypeStruct(tuple(leaf.shape), quantization.stored_dtype(name, leaf.dtype, dtype),
+                                            sharding=sharding)
+
+            return checkpointer.restore(params_dir, {"params": parallel.map_with_path(target, saved["params"])})
+
+        start = time.perf_counter()
+        whole = self._read(ocp.StandardCheckpointer(), targets)["params"]
+        stages: list[dict] = [{} for _ in stage_meshes]
+        for s, row in enumerate(stage_meshes):
+            stages[s]["layers"] = jax.tree.map(lambda leaf, row=row: _stage_slice(leaf, row), whole["layers"])
+        for key, value in whole.items():
+            for s in holders.get(key, []) if key != "layers" else []:
+                stages[s][key] = value if s == holders[key][0] else jax.tree.map(
+                    lambda leaf, row=stage_meshes[s]: jax.device_put(leaf, NamedSharding(row, leaf.sharding.spec)), value)
+        logger.info("restored %s onto %d pipeline stages in %.2f s", self.path / PARAMS_DIR, len(stage_meshes),
+                    time.perf_counter() - start)
+        return [{"params": tree} for tree in stages]
+
     def restore_host(self, dtype=None) -> dict:
         """The parameters as numpy arrays in `dtype` (default: the saved one), on the host."""
         import orbax.checkpoint as ocp
@@ -231,6 +272,16 @@ def _restore_targets(saved: dict, dtype, mesh: Mesh | None, config: ModelConfig,
         lambda name, leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), quantization.stored_dtype(name, leaf.dtype, dtype),
                                                 sharding=shardings[name]), saved["params"]
     )}
+
+
+def _stage_slice(leaf: jax.Array, row: Mesh) -> jax.Array:
+    """One stage's part of a layer-stacked weight sharded over the stage axis: the shards on the
+    row's devices, as an array of that row (no copy)."""
+    devices = set(row.devices.flat)
+    shards = [shard.data for shard in leaf.addressable_shards if shard.device in devices]
+    sharding = NamedSharding(row, P(None, *tuple(leaf.sharding.spec)[1:]))  # the layer axis now whole
+    shape = (leaf.shape[0] // leaf.sharding.mesh.shape[leaf.sharding.mesh.axis_names[0]], *leaf.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def _check_shapes(params: dict, config: ModelConfig, path: Path) -> None:

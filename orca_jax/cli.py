@@ -29,7 +29,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "attention_impl", "tensor_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
+                "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
                 "model_cache_dir", "speculative_config")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
@@ -37,7 +37,7 @@ CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_ca
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from orca_jax.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES
+    from orca_jax.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
     parser.add_argument("--config", default=None, metavar="PRESET",
                         help="a preset: a name from configs/ (e.g. smollm2-cpu) or a .toml file; flags override it")
@@ -70,6 +70,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="ragged paged attention kernel; auto picks by backend (default: auto)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help=f"devices to shard the model over (default: {EngineConfig.tensor_parallel_size})")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                        help="pipeline stages: the layers split over this many groups of --tensor-parallel-size "
+                             "devices, one batch in flight per stage, as Orca (default: "
+                             f"{EngineConfig.pipeline_parallel_size})")
     parser.add_argument("--page-size", type=int, default=None,
                         help=f"tokens per KV page (default: {EngineConfig.page_size})")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -77,8 +81,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of free accelerator memory for the KV cache "
                              f"(default: {EngineConfig.gpu_memory_utilization}; unused on CPU)")
-    parser.add_argument("--scheduling", default=None, choices=["iteration", "request"],
-                        help="iteration-level (Orca) or request-level static batching (default: iteration)")
+    parser.add_argument("--scheduling", default=None, choices=SCHEDULING_POLICIES,
+                        help="iteration-level (Orca); request-level static batching ('request', selective "
+                             "batching kept); or 'request_padded', FasterTransformer as Orca measured it "
+                             "(prompts padded to the longest, finished slots computed until the batch ends) "
+                             "(default: iteration)")
     parser.add_argument("--enable-prefix-caching", default=None, action=argparse.BooleanOptionalAction,
                         help="reuse the KV pages of prompt prefixes already computed (default: on); "
                              "--no-enable-prefix-caching computes every prompt")

@@ -18,7 +18,9 @@ from orca_jax.kernels import kv_quant
 from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
 from orca_jax.spec_decode.config import SpeculativeConfig
 
-SCHEDULING_POLICIES = ("iteration", "request")
+# "request_padded": FasterTransformer as Orca measured it (same-phase rectangles, prompts padded to
+# the longest, finished slots computed until the batch ends); "request" keeps selective batching.
+SCHEDULING_POLICIES = ("iteration", "request", "request_padded")
 # "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
 ATTENTION_IMPLS = ("auto", *kernels.available_impls())
 DTYPES = ("float32", "bfloat16")
@@ -130,7 +132,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of free accelerator memory for the cache
     attention_impl: str = "auto"
     tensor_parallel_size: int = 1
-    scheduling: Literal["iteration", "request"] = "iteration"
+    # Inter-layer parallelism (Orca's): the layers split into this many stages, each on its own
+    # tensor_parallel_size devices; up to this many batches are in flight, one per stage, and a
+    # sequence in an in-flight batch is not scheduled again until its batch returns.
+    pipeline_parallel_size: int = 1
+    scheduling: Literal["iteration", "request", "request_padded"] = "iteration"
     # Overlapped steps (vLLM's async scheduling): the engine dispatches step N+1 before it
     # reads step N's tokens, so the host's work hides behind the device's. Outputs are the
     # same either way; False runs one step at a time.
@@ -173,7 +179,7 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             errors.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
-                     "min_token_bucket"):
+                     "pipeline_parallel_size", "min_token_bucket"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -188,6 +194,12 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             errors.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling == "request_padded" and self.speculative_config is not None:
+            errors.append("scheduling='request_padded' is FasterTransformer's baseline, which does not speculate; "
+                          "speculative decoding runs with 'iteration' or 'request'")
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            errors.append("speculative decoding runs one step at a time; it does not combine with "
+                          "pipeline_parallel_size > 1 (whose batches in flight it would serialize)")
         if errors:
             raise ValueError("invalid engine config: " + "; ".join(errors))
 

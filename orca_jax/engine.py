@@ -45,6 +45,8 @@ from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output
+from orca_jax.pipeline import PipelineRunner
+from orca_jax.pipeline_layout import make_pipeline_mesh
 from orca_jax.runner import ModelRunner
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import Scheduler
@@ -87,12 +89,13 @@ def _resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
 class LLMEngine:
     """`make_runner` is the seam between the host loop and the device: called as
     `make_runner(model_config, config, params, attention_impl, mesh, channel)`, it returns the
-    `EngineRunner` the engine steps (default: the compiled model, `ModelRunner`). Tests pass
+    `EngineRunner` the engine steps (default: the compiled model, `ModelRunner`, or with
+    pipeline_parallel_size > 1 its stages, `orca_jax.pipeline.PipelineRunner`). Tests pass
     `functools.partial(ModelRunner, keep_logits=True)` to see each step's logits in
     `last_step.output`, or a wrapper to observe or fail batches."""
 
     def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True,
-                 make_runner: Callable[..., EngineRunner] = ModelRunner, **overrides):
+                 make_runner: Callable[..., EngineRunner] | None = None, **overrides):
         started = time.perf_counter()
         config = config or EngineConfig(**overrides)
         configure_for_process(config.compilation_cache_dir or None)
@@ -107,9 +110,14 @@ class LLMEngine:
         # A mesh for tensor parallelism, and always with several processes (multi-host): then
         # process 0 (this engine's scheduler) hands every batch to the others.
         mesh = None
-        if self.config.tensor_parallel_size > 1 or jax.process_count() > 1:
+        pipelined = self.config.pipeline_parallel_size > 1
+        if pipelined:  # a stage x model mesh; each stage a row (orca_jax/pipeline.py)
+            parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
+            mesh = make_pipeline_mesh(self.config.pipeline_parallel_size, self.config.tensor_parallel_size)
+        elif self.config.tensor_parallel_size > 1 or jax.process_count() > 1:
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
             mesh = parallel.make_mesh(self.config.tensor_parallel_size)
+        make_runner = make_runner or (PipelineRunner if pipelined else ModelRunner)
         self.channel = multihost.StepChannel(self.config) if multihost.is_leader_of_many() else None
         if self.channel is not None:
             # However the leader's program ends, release the followers (they would otherwise
@@ -188,13 +196,14 @@ class LLMEngine:
         logger.info(
             "engine: model %s (%s, %d layers), dtype %s, weights %s, kv cache dtype %s, attention %s, max_model_len %d%s, "
             "max_num_seqs %d, max_num_batched_tokens %d, token buckets %s, page_size %d, KV pool %d pages "
-            "(%d tokens), scheduling %s, async scheduling %s, tensor_parallel_size %d, compilation cache %s",
+            "(%d tokens), scheduling %s, async scheduling %s, tensor_parallel_size %d, pipeline_parallel_size %d, "
+            "compilation cache %s",
             c.model or "default", self.model_config.model_type, self.model_config.num_layers, c.dtype,
             self.model_config.quantization or "not quantized", self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
             " (the model's)" if c.max_model_len == self.model_config.max_position_embeddings else "",
             c.max_num_seqs, c.max_num_batched_tokens, list(c.token_buckets), c.page_size, self.allocator.num_pages,
             self.allocator.num_usable * c.page_size, c.scheduling, "on" if c.async_scheduling else "off",
-            c.tensor_parallel_size,
+            c.tensor_parallel_size, c.pipeline_parallel_size,
             active_cache_dir() or "off",
         )
 
@@ -318,23 +327,31 @@ class LLMEngine:
         self.last_step = None  # set again only if a step completes
         self._start_compiled_grammars(touched)
         proposing = self.speculation is not None and self.speculation.proposes_for(len(self.scheduler.running))
-        if self.scheduler.num_guided_running or proposing:
+        pipelined = self.config.pipeline_parallel_size > 1
+        if (self.scheduler.num_guided_running and not pipelined) or proposing:
             # A grammar's mask, and a proposal, need the tokens before them on the host: steps
-            # in flight complete first, so steps run one at a time.
+            # in flight complete first, so steps run one at a time. (Pipelined, Orca's rule
+            # already schedules a sequence only once its last batch has returned.)
             while self._in_flight:
                 self._complete(self._in_flight.popleft(), touched)
         if proposing:
             self.speculation.propose(self.scheduler.running, self.scheduler.max_len)
         dispatched = self._dispatch(touched)
+        if pipelined:  # Orca: up to one batch in flight per stage, of disjoint sequences
+            while dispatched and len(self._in_flight) < self.config.pipeline_parallel_size and self._dispatch(touched):
+                pass
         if not dispatched and not self._in_flight and self._awaiting_grammar:
             wait([future for _, future in self._awaiting_grammar], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        in_flight_wanted = 1 if self.config.async_scheduling and not proposing else 0
-        # With nothing new to dispatch, whatever is in flight completes now; and once no
-        # request is left, so does the step that only computed discarded tokens, so that an
-        # engine with no requests has no device work pending either.
-        while self._in_flight and (len(self._in_flight) > in_flight_wanted or not dispatched
-                                   or not self.scheduler.has_unfinished()):
-            self._complete(self._in_flight.popleft(), touched)
+        if pipelined:
+            self._complete_pipelined(dispatched, touched)
+        else:
+            in_flight_wanted = 1 if self.config.async_scheduling and not proposing else 0
+            # With nothing new to dispatch, whatever is in flight completes now; and once no
+            # request is left, so does the step that only computed discarded tokens, so that an
+            # engine with no requests has no device work pending either.
+            while self._in_flight and (len(self._in_flight) > in_flight_wanted or not dispatched
+                                       or not self.scheduler.has_unfinished()):
+                self._complete(self._in_flight.popleft(), touched)
         if self.speculation is not None:
             self.speculation.release_finished()
         started = time.perf_counter()
@@ -345,6 +362,16 @@ class LLMEngine:
         if self.last_step is not None and self._completed_timing is not None:
             self._completed_timing.outputs_s += time.perf_counter() - started
         return outputs
+
+    def _complete_pipelined(self, dispatched: bool, touched: dict[str, Request]) -> None:
+        """Orca's loop over a pipeline: the oldest batch completes once every stage has one (or
+        when no further batch could be dispatched: its sequences are all in flight), so the
+        stages stay busy while the host postprocesses it. With no request left, all complete."""
+        if not self.scheduler.has_unfinished():
+            while self._in_flight:
+                self._complete(self._in_flight.popleft(), touched)
+        elif self._in_flight and (len(self._in_flight) >= self.config.pipeline_parallel_size or not dispatched):
+            self._complete(self._in_flight.popleft(), touched)
 
     def _start_compiled_grammars(self, touched: dict[str, Request]) -> None:
         """Give the sequences whose grammar has compiled their matchers (they can be admitted
@@ -484,6 +511,7 @@ class LLMEngine:
         the donated cache and state, or steps dispatched after it built on its state, those
         steps are dropped, the cache and state rebuilt, and every running sequence recomputes."""
         scheduled = failure.scheduled
+        self.scheduler.batch_returned(scheduled)  # it holds its sequences no longer (pages they gave up return)
         logger.error("step failed; aborting %d request(s) in it", len({s.request_id for s in scheduled.seqs}),
                      exc_info=failure.cause)
         # The pages it was to fill hold no K/V: a later request must not find them.

@@ -12,7 +12,14 @@ per row the sequence, its new tokens, where they start and whether the row sampl
 - "request": Orca's baseline (FasterTransformer-style static batching). A batch is admitted
   only when none is running, with pages for each member's whole length reserved up front, and
   runs until every member has finished; later arrivals wait for the next batch. The step itself
-  is the same, so the two policies differ only here.
+  is the same (selective batching kept: no padding, a finished member costs nothing), so the
+  two policies differ only here.
+- "request_padded": FasterTransformer as Orca measured it: "request"'s static batches, run as
+  a rectangle. A batch is admitted only while members x longest prompt fits the token budget,
+  and prefills in one step; each step computes every member's row padded to the step's
+  longest, finished members included, until the last member ends. The padding is real work:
+  `ScheduledBatch.num_padding_tokens`, which the step's token bucket holds. A prompt longer
+  than the budget is admitted alone and prefills in chunks. No drafts are verified.
 
 Prefix caching (`EngineConfig.enable_prefix_caching`, iteration-level only): admission looks up
 the longest run of a sequence's full pages already in the cache (`PageAllocator.lookup`, by
@@ -46,7 +53,8 @@ class ScheduledBatch:
     """One step's rows, in order, as parallel lists. Iterating gives (sequence, new tokens)
     pairs, and a batch compares equal to a list of such pairs."""
 
-    __slots__ = ("seqs", "num_new", "starts", "samples", "drafts", "pending_counted", "published")
+    __slots__ = ("seqs", "num_new", "starts", "samples", "drafts", "pending_counted", "published", "in_flight",
+                 "num_padding_tokens")
 
     def __init__(self):
         self.seqs: list[Sequence] = []
@@ -60,6 +68,12 @@ class ScheduledBatch:
         self.pending_counted = True
         # (page, hash) published while this step was scheduled: its K/V are this step's to write.
         self.published: list[tuple[int, bytes]] = []
+        # Counted in its sequences' num_in_flight until it returns (Scheduler.batch_returned).
+        self.in_flight = False
+        # Tokens the step computes beyond its rows' own, as FasterTransformer's rectangle would
+        # ("request_padded"): prompts padded to the batch's longest, and the slots of members
+        # that finished while the batch runs. The token bucket holds them; they write the sink page.
+        self.num_padding_tokens = 0
 
     @classmethod
     def of(cls, pairs) -> ScheduledBatch:
@@ -149,6 +163,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that had finished meanwhile
         self.num_schedules = 0
+        self.static_batch_size = 0  # members admitted to the running static batch (request-level)
         # Speculative decoding counters (vLLM's spec_decode metrics): rows that verified
         # drafts, draft tokens verified, and those accepted.
         self.num_spec_rows = 0
@@ -179,11 +194,40 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             _decrement(self._waiting_requests, seq.request_id)
-        self.allocator.free(seq.page_ids)
-        seq.page_ids = []
+        self._release_pages(seq)
         seq.num_published_pages = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _release_pages(self, seq: Sequence) -> None:
+        """Give up a sequence's pages. Under Orca's rule (pipeline parallelism) a batch in flight
+        that holds the sequence may still write them, so they return to the pool when it does."""
+        if self.excludes_in_flight and seq.num_in_flight:
+            seq.pages_in_flight.extend(seq.page_ids)
+        else:
+            self.allocator.free(seq.page_ids)
+        seq.page_ids = []
+
+    @property
+    def excludes_in_flight(self) -> bool:
+        """Orca's rule (Algorithm 1): with several batches in flight, one per pipeline stage, a
+        sequence in one of them is neither scheduled again nor stripped of its pages until that
+        batch returns. One stage keeps today's overlapped steps instead, where a decoding
+        sequence's next step is dispatched while its token is still on the device."""
+        return self.config.pipeline_parallel_size > 1
+
+    def batch_returned(self, scheduled: ScheduledBatch) -> None:
+        """A dispatched batch left the device (postprocessed, failed or dropped) or was never
+        dispatched: its sequences are free to be scheduled again, and pages they gave up while
+        it was in flight go back to the pool. Idempotent."""
+        if not scheduled.in_flight:
+            return
+        scheduled.in_flight = False
+        for seq in scheduled.seqs:
+            seq.num_in_flight -= 1
+            if not seq.num_in_flight and seq.pages_in_flight:
+                self.allocator.free(seq.pages_in_flight)
+                seq.pages_in_flight = []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -199,6 +243,15 @@ class Scheduler:
     # ---- the per-step decision ---------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         self.num_schedules += 1
+        scheduled = self._schedule_policy()
+        scheduled.in_flight = bool(scheduled)  # an empty step is never dispatched
+        for seq in scheduled.seqs:
+            seq.num_in_flight += 1
+        return scheduled
+
+    def _schedule_policy(self) -> ScheduledBatch:
+        if self.config.scheduling == "request_padded":
+            return self._schedule_padded_batch()
         if self.config.scheduling == "request":
             return self._schedule_request_level()
         return self._schedule_iteration_level()
@@ -212,6 +265,8 @@ class Scheduler:
             uncomputed = seq.num_uncomputed_tokens
             if uncomputed == 0 or seq.num_tokens + seq.num_pending >= self.max_len(seq):
                 continue
+            if self.excludes_in_flight and seq.num_in_flight:
+                continue  # Orca's rule: its batch has not returned
             (decoding if uncomputed == 1 else prefilling).append(seq)
         return decoding + prefilling
 
@@ -276,6 +331,7 @@ class Scheduler:
         sequences stay admitted with their pages, but no cached count has advanced, and the
         pages the step was to fill are no longer published."""
         self.forget_published(scheduled)
+        self.batch_returned(scheduled)
         for seq, start, samples in zip(scheduled.seqs, scheduled.starts, scheduled.samples):
             seq.num_computed_tokens = start
             seq.num_pending -= samples
@@ -292,7 +348,7 @@ class Scheduler:
         cached_pages_left = self.config.cached_pages_per_step
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_admissible()
-            if seq is None or seq.num_pending:
+            if seq is None or seq.num_pending or (self.excludes_in_flight and seq.num_in_flight):
                 break
             cached = self._cached_prefix(seq)
             if len(cached) > cached_pages_left:
@@ -374,8 +430,7 @@ class Scheduler:
         return self.allocator.reset_prefix_cache()
 
     def _drop_pages(self, seq: Sequence) -> None:
-        self.allocator.free(seq.page_ids)
-        seq.page_ids = []
+        self._release_pages(seq)
         seq.num_computed_tokens = 0
         seq.num_published_pages = 0
 
@@ -394,6 +449,11 @@ class Scheduler:
                 return granted
             # `seq` itself is not in the step yet, so a victim always exists.
             victim = next(s for s in reversed(self.running) if s.step_mark != self.num_schedules)
+            if self.excludes_in_flight and victim.num_in_flight:
+                # Orca's rule: a batch in flight is writing the victim's pages. `seq` waits for
+                # it rather than preempting an older sequence or itself (the two would otherwise
+                # take turns preempting each other and neither finish).
+                return 0
             self.preempt(victim)
             if victim is seq:
                 return 0
@@ -427,11 +487,60 @@ class Scheduler:
         return scheduled
 
     def _admit_static_batch(self) -> None:
+        """FCFS while slots, and pages for each member's whole length, last; "request_padded"
+        also stops where the batch's padded prefill would pass the token budget."""
+        longest = 0  # the longest prompt admitted: the width of the padded prefill
         while len(self.running) < self.config.max_num_seqs:
             seq = self._next_admissible()
-            if seq is None or seq.num_pending or not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
+            if seq is None or seq.num_pending or not self._padded_prefill_fits(seq, longest):
                 break
+            if not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
+                break
+            longest = max(longest, seq.num_uncomputed_tokens)
             self._move_to_running(seq)
+        self.static_batch_size = len(self.running)
+
+    def _padded_prefill_fits(self, seq: Sequence, longest: int) -> bool:
+        """Whether `seq` may join the static batch being admitted: under "request_padded" the
+        whole batch prefills in one step, every member padded to the longest prompt, so members
+        x longest must fit max_num_batched_tokens. A first member longer than that is admitted
+        alone and prefills in chunks of the budget (it has no one to be padded to): refusing it
+        would leave it waiting for ever, and FasterTransformer had no token budget to pass."""
+        if self.config.scheduling != "request_padded" or not self.running:
+            return True
+        width = max(longest, seq.num_uncomputed_tokens)
+        return (len(self.running) + 1) * width <= self.config.max_num_batched_tokens
+
+    def _schedule_padded_batch(self) -> ScheduledBatch:
+        """"request_padded": the static batch runs as FasterTransformer's rectangle. Each step
+        computes `width` tokens for every member, `width` the step's longest row (the longest
+        prompt in the prefill step, 1 in a decode step); what a member's row lacks of it, and the
+        whole row of a member that is done while the batch runs, is padding the step really
+        computes (`ScheduledBatch.num_padding_tokens`). Drafts are dropped unverified:
+        FasterTransformer did not speculate."""
+        if not self.running:
+            self._admit_static_batch()
+        members = self._schedulable_running()
+        rows = len(members) + self._done_members()
+        # Admission keeps members x longest prompt within the budget, so only a lone member
+        # longer than the budget (a long prompt, or one recomputed with its outputs after a lost
+        # cache) prefills in chunks.
+        width = min(max((seq.num_uncomputed_tokens for seq in members), default=0),
+                    self.config.max_num_batched_tokens // max(rows, 1))
+        scheduled = ScheduledBatch()
+        for seq in members:
+            seq.draft_token_ids = []
+            self._grant(scheduled, seq, min(seq.num_uncomputed_tokens, width))
+        scheduled.num_padding_tokens = rows * width - scheduled.num_tokens
+        return scheduled
+
+    def _done_members(self) -> int:
+        """Members of the running static batch with nothing left to compute whose slots
+        FasterTransformer still computes until the batch ends: those retired (finished or
+        aborted) and those whose last token is in flight."""
+        retired = self.static_batch_size - len(self.running)
+        ending = sum(seq.num_tokens + seq.num_pending >= self.max_len(seq) for seq in self.running)
+        return retired + ending
 
     def _move_to_running(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:
@@ -473,6 +582,7 @@ class Scheduler:
         one at a time, in rounds of one token per sequence, so a stop inside an accepted run
         ends the sequence there and nothing after it is emitted. Its cached count then drops
         back to what the accepted tokens cover, and pages past that return to the pool."""
+        self.batch_returned(scheduled)
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
         accepted = [0] * len(scheduled) if num_accepted is None else [int(a) for a in num_accepted[:len(scheduled)]]
         offsets = scheduled.output_offsets()

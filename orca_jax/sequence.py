@@ -37,6 +37,12 @@ class Sequence:
     # Sampled tokens of dispatched steps not yet appended to output_token_ids (at most one per
     # step in flight): the device already feeds them to the next step.
     num_pending: int = 0
+    # Batches in flight (dispatched, not yet returned) that hold a row of this sequence. With
+    # pipeline parallelism (Orca's rule) it is not scheduled again, and pages it gives up
+    # (finished, aborted) wait in `pages_in_flight` until it is 0: a batch in flight may still
+    # write them.
+    num_in_flight: int = 0
+    pages_in_flight: list[int] = field(default_factory=list)
     slot: int | None = None  # row of the persistent batch state while running (orca_jax.batch_state)
     slot_joined: bool = False  # the slot is new to this sequence: its device rows must be reset
     step_mark: int = -1  # the last schedule() that gave this sequence a row

@@ -335,17 +335,17 @@ def engine_parity():
 
 @pytest.fixture(scope="session")
 def run_parallel_worker():
-    """run(mode, *args) -> the JSON result of tests/parallel_worker.py, run in a subprocess on 8
-    forced host devices (JAX fixes its device count at start-up; this suite runs on one)."""
+    """run(mode, *args) -> the JSON result of tests/parallel_worker.py (or `worker=` another such
+    script, e.g. pipeline_worker.py), run in a subprocess on 8 forced host devices (JAX fixes
+    its device count at start-up; this suite runs on one)."""
     import os
     import subprocess
     import sys
 
-    worker = Path(__file__).with_name("parallel_worker.py")
-
-    def run(*args: str, timeout: float = 600) -> dict:
+    def run(*args: str, timeout: float = 600, worker: str = "parallel_worker.py") -> dict:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
-        proc = subprocess.run([sys.executable, str(worker), *args], capture_output=True, text=True,
+        script = Path(__file__).with_name(worker)
+        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                               timeout=timeout, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
         line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))

@@ -73,7 +73,8 @@ def cmd_orca(args) -> int:
         model=args.model, scale=args.scale, num_requests=args.num_requests, rates=args.rates,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size, num_pages=args.num_pages, dtype=args.dtype, seed=args.seed,
-        slo_ms_per_token=args.slo_ms_per_token, policies=args.policies, request_returns=args.request_returns)
+        slo_ms_per_token=args.slo_ms_per_token, policies=args.policies, request_returns=args.request_returns,
+        pipeline_parallel_size=args.pipeline_parallel_size, tensor_parallel_size=args.tensor_parallel_size)
     record = run_sweep(settings, command_from_args("orca", args), progress=lambda line: print(line, flush=True))
     print(format_report(record))
     write_json(record, args.json)
@@ -110,7 +111,12 @@ def _add_orca_parser(sub) -> None:
     p.add_argument("--slo-ms-per-token", type=_positive_float, default=None,
                    help="latency of the headline ratio (default: 2x the unloaded iteration-level latency)")
     p.add_argument("--policies", type=_names, default=("iteration", "request"),
-                   help="comma-separated scheduling policies to compare (default iteration,request)")
+                   help="comma-separated scheduling policies to compare: iteration, request, request_padded "
+                        "(FasterTransformer's padded rectangles) (default iteration,request)")
+    p.add_argument("--pipeline-parallel-size", type=_positive_int, default=1,
+                   help="pipeline stages, every policy (on CPU force devices first: XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=N) (default 1)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices per stage (default 1)")
     _add_request_returns(p)
     p.add_argument("--json", default=f"{RESULTS_DIR}/orca_cpu.json", help="output JSON ('' for none)")
     p.add_argument("--plot", default=f"{RESULTS_DIR}/orca_cpu.png", help="output figure ('' for none)")
@@ -253,9 +259,14 @@ def cmd_simulate(args) -> int:
     from orca_jax.bench.simulate import format_report, run_simulation
 
     cost = load_cost_model(args.cost_model)
+    if args.batches_in_flight is None:  # spelled out in the record's command
+        args.batches_in_flight = cost.num_stages
+    elif args.batches_in_flight > cost.num_stages:
+        raise SystemExit(f"--batches-in-flight: at most one per pipeline stage ({cost.num_stages} in {cost.name}), "
+                         f"got {args.batches_in_flight}")
     record = run_simulation(cost, rates=args.rates, num_requests=args.num_requests, scale=args.scale, seed=args.seed,
                             slo_ms_per_token=args.slo_ms_per_token, num_pages=args.num_pages,
-                            request_returns=args.request_returns,
+                            request_returns=args.request_returns, batches_in_flight=args.batches_in_flight,
                             command=command_from_args("simulate", args),
                             progress=(lambda line: None) if args.quiet else print)
     print(format_report(record))
@@ -281,6 +292,9 @@ def _add_simulate_parser(sub) -> None:
                    help=f"latency of the headline ratio (default: the paper's {PAPER['slo_ms_per_token']} ms/token)")
     p.add_argument("--num-pages", type=_positive_int, default=None, help="KV pool (default: from GPU memory)")
     _add_request_returns(p)
+    p.add_argument("--batches-in-flight", type=_positive_int, default=None,
+                   help="batches in flight at most, one per pipeline stage (default: the cost model's pipeline "
+                        "stages, as Orca; 1: each batch crosses every stage before the next is scheduled)")
     p.add_argument("--quiet", action="store_true", help="no line per run")
     p.add_argument("--json", default=f"{RESULTS_DIR}/orca_simulated.json", help="output JSON ('' for none)")
     p.add_argument("--plot", default=f"{RESULTS_DIR}/orca_simulated.png", help="output figure ('' for none)")

@@ -6,10 +6,15 @@ The model (stated, deliberately small):
   8h^2) plus a vocab x hidden LM head; KV cache 2 * hidden values per token per layer.
 - Tensor parallelism splits every layer's weights, FLOPs, KV cache and KV reads evenly over
   `tensor_parallel` GPUs and costs two ring all-reduces of the step's activations per layer
-  (after attention and after the MLP). Pipeline parallelism splits the layers evenly over
-  `pipeline_parallel` stages and sends the activations once between consecutive stages.
-- One batch is in flight: an iteration passes through the stages one after the other (no
-  overlap of batches across stages; both policies are modelled alike).
+  (after attention and after the MLP). Pipeline parallelism splits the layers over
+  `pipeline_parallel` stages as the engine does (`stage_layers`: L // P each, the first L % P
+  stages one more) and sends the activations once between consecutive stages (`hop_time`:
+  internode latency + bytes / bandwidth), a transfer that occupies neither stage.
+- Per stage (`stage_times`): its layers, and on the last stage the LM head. One batch crossing
+  every stage takes `step_time` = step_overhead_s (host work, once per iteration, before the
+  batch reaches the first stage) + the stage times + the hops between them. How batches
+  overlap across the stages (Orca keeps one in flight per stage) is the simulator's event
+  model (simulate.py), not this file's.
 - Per layer on one GPU, time = max(compute, memory) (a roofline): compute is the matmul FLOPs
   (2 per weight per token) plus attention (4 * hidden per query-key pair) at
   `efficiency.matmul` of peak; memory is weights + KV read + KV written at
@@ -73,8 +78,19 @@ class CostModel:
         return m["num_layers"] * self.layer_params + m["vocab_size"] * m["hidden_size"]
 
     @property
+    def num_stages(self) -> int:
+        return self.parallelism["pipeline_parallel"]
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Layers per pipeline stage, the engine's split: L // P each, one more on the first L % P."""
+        L, P = self.model["num_layers"], self.num_stages
+        return [L // P + (s < L % P) for s in range(P)]
+
+    @property
     def layers_per_stage(self) -> int:
-        return -(-self.model["num_layers"] // self.parallelism["pipeline_parallel"])
+        """The largest stage's layers: its GPUs hold the most KV per token."""
+        return max(self.stage_layers)
 
     def kv_bytes_per_token_per_gpu(self) -> float:
         m, tp = self.model, self.parallelism["tensor_parallel"]
@@ -93,19 +109,48 @@ class CostModel:
 
     # ---- time ---------------------------------------------------------------------------------
     def step_time(self, work: StepWork) -> float:
-        """Seconds for one iteration through every pipeline stage."""
+        """Seconds for one iteration crossing every pipeline stage, alone: the host's
+        step_overhead_s, every stage's time (`stage_times`) and the hops between stages."""
+        m, eff = self.model, self.efficiency
+        return (m["num_layers"] * self._layer_time(work) + self._head_time(work)
+                + (self.num_stages - 1) * self.hop_time(work) + eff["step_overhead_s"])
+
+    def stage_times(self, work: StepWork) -> list[float]:
+        """Seconds stage s spends on the iteration: its `stage_layers[s]` layers, plus the LM
+        head on the last stage. `step_time` = step_overhead_s + sum(stage_times) + (P - 1) *
+        `hop_time`."""
+        layer = self._layer_time(work)
+        times = [n * layer for n in self.stage_layers]
+        times[-1] += self._head_time(work)
+        return times
+
+    def hop_time(self, work: StepWork) -> float:
+        """Seconds for the step's activations to go from one stage to the next (InfiniBand)."""
+        h, bpv = self.model["hidden_size"], self.model["bytes_per_value"]
+        return (self.interconnect["internode_latency_s"]
+                + work.new_tokens * h * bpv / self.interconnect["internode_bytes_per_s"])
+
+    @property
+    def step_overhead_s(self) -> float:
+        """Host work per iteration (scheduling, input build, launches), paid at dispatch."""
+        return self.efficiency["step_overhead_s"]
+
+    def _layer_time(self, work: StepWork) -> float:
+        """One layer on one GPU of a stage: the roofline of its compute and its memory traffic,
+        plus two all-reduces over the tensor-parallel group."""
         m, tp, eff = self.model, self.parallelism["tensor_parallel"], self.efficiency
-        h, bpv, stages = m["hidden_size"], m["bytes_per_value"], self.parallelism["pipeline_parallel"]
+        h, bpv = m["hidden_size"], m["bytes_per_value"]
         flops = 2.0 * self.layer_params * work.new_tokens + 4.0 * h * work.attention_pairs
         bytes_moved = (self.layer_params + 2.0 * h * (work.kv_tokens_read + work.new_tokens)) * bpv
         layer = max(flops / tp / (self.gpu["peak_flops"] * eff["matmul"]),
                     bytes_moved / tp / (self.gpu["hbm_bytes_per_s"] * eff["memory"]))
-        layer += 2 * self._allreduce_time(work.new_tokens * h * bpv)
-        head = max(2.0 * m["vocab_size"] * h * work.logit_rows / tp / (self.gpu["peak_flops"] * eff["matmul"]),
+        return layer + 2 * self._allreduce_time(work.new_tokens * h * bpv)
+
+    def _head_time(self, work: StepWork) -> float:
+        m, tp, eff = self.model, self.parallelism["tensor_parallel"], self.efficiency
+        h, bpv = m["hidden_size"], m["bytes_per_value"]
+        return max(2.0 * m["vocab_size"] * h * work.logit_rows / tp / (self.gpu["peak_flops"] * eff["matmul"]),
                    m["vocab_size"] * h * bpv / tp / (self.gpu["hbm_bytes_per_s"] * eff["memory"]))
-        hops = (stages - 1) * (self.interconnect["internode_latency_s"]
-                               + work.new_tokens * h * bpv / self.interconnect["internode_bytes_per_s"])
-        return m["num_layers"] * layer + head + hops + eff["step_overhead_s"]
 
     def _allreduce_time(self, message_bytes: float) -> float:
         tp = self.parallelism["tensor_parallel"]

@@ -12,7 +12,8 @@ Request-level batching as Orca measured it (FasterTransformer) returns a static 
 responses together, when its last member finishes: an early finisher waits for the longest
 member of its batch (Orca, section 2.2). `hold_until_batch_ends=True` reproduces that: a
 finished request's end time is the end of its batch. TTFT and TPOT still come from the token
-stream.
+stream. Both static-batching policies ("request", "request_padded") return so under
+`request_returns="batch"` (`holds_until_batch_ends`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ from collections.abc import Callable
 
 from orca_jax.bench.latency import RequestTiming
 from orca_jax.bench.trace import Trace
+
+
+# The policies whose batches are static (FasterTransformer's): their responses can be held
+# until their batch ends.
+STATIC_BATCH_POLICIES = ("request", "request_padded")
+
+
+def holds_until_batch_ends(policy: str, request_returns: str) -> bool:
+    """Whether a run of `policy` holds each response until its static batch ends: a
+    static-batching policy under `request_returns="batch"` (FasterTransformer's returns)."""
+    return policy in STATIC_BATCH_POLICIES and request_returns == "batch"
 
 
 class BenchmarkError(RuntimeError):

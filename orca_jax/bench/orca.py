@@ -1,14 +1,17 @@
 """`orca-jax bench orca`: Orca's experiment on the real engine, in-process.
 
-The trace (trace.py) is replayed at each arrival rate of a sweep, for both scheduling policies,
-`"iteration"` (Orca) and `"request"` (static request-level batching, FasterTransformer's),
-with the same weights, the same max batch size and the same KV page pool. Per rate and policy
+The trace (trace.py) is replayed at each arrival rate of a sweep, for the scheduling policies
+asked (`--policies`): `"iteration"` (Orca) against the static request-level baselines,
+`"request"` (static batching with selective batching kept) and `"request_padded"`
+(FasterTransformer as Orca measured it: padded prompts, finished slots computed until the batch
+ends), with the same weights, the same max batch size and the same KV page pool. By default
+iteration and request run (three compiled engines are slow on a 2-core CPU). Per rate and policy
 it records throughput and latency (latency.py); per policy the points form a curve of median
-normalized latency against throughput, and the headline is the throughput ratio of the two
-curves at one median normalized latency (the SLO line).
+normalized latency against throughput, and the headline is the throughput ratio of iteration's
+curve over a baseline's at one median normalized latency (the SLO line), one per baseline run.
 
-Both engines are built (and compiled) before any timing, and the policies take turns at each
-rate, so noise from other jobs on a shared machine hits both alike.
+Every engine is built (and compiled) before any timing, and the policies take turns at each
+rate, so noise from other jobs on a shared machine hits all alike.
 """
 
 from __future__ import annotations
@@ -16,13 +19,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from orca_jax.bench.driver import check_pages_returned, decode_step_times, run_open_loop, warm_up
+from orca_jax.bench.driver import (check_pages_returned, decode_step_times, holds_until_batch_ends, run_open_loop,
+                                   warm_up)
 from orca_jax.bench.latency import curve_from_runs, summarize, throughput_ratio_at_latency
 from orca_jax.bench.trace import ORCA_INPUT_RANGE, ORCA_OUTPUT_RANGE, Trace, make_trace, scaled_range
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("iteration", "request")
+POLICIES = ("iteration", "request", "request_padded")
+DEFAULT_POLICIES = ("iteration", "request")
+# The baselines iteration-level is compared with, and the record's keys of each comparison.
+BASELINE_KEYS = {"request": ("headline", "ratios"), "request_padded": ("headline_padded", "ratios_padded")}
+BASELINE_TITLES = {"request": "request-level", "request_padded": "padded request-level (FasterTransformer)"}
 # Without an SLO given, the headline latency is this multiple of the lowest median normalized
 # latency measured for Orca's policy: "some slack over an unloaded server", the way Orca's
 # 190 ms/token sits above GPT-3's unloaded per-token time.
@@ -46,10 +54,13 @@ class SweepSettings:
     dtype: str = "float32"
     seed: int = 0
     slo_ms_per_token: float | None = None
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     # "batch": request-level responses return together when their static batch ends, as with
     # FasterTransformer in Orca's experiment; "early": each as soon as it finishes.
     request_returns: str = "batch"
+    # Orca's distributed setting on this machine's devices: stages x devices per stage.
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if not self.rates or any(r <= 0 for r in self.rates):
@@ -61,15 +72,16 @@ class SweepSettings:
 
 
 def engine_settings(s: SweepSettings) -> dict:
-    """Engine arguments shared by both policies. max_model_len is the trace's longest request
+    """Engine arguments shared by every policy. max_model_len is the trace's longest request
     (page-aligned), which keeps page tables small; the default pool holds max_num_seqs
-    sequences at that length, plus the padding page, so neither policy ever runs out."""
+    sequences at that length, plus the padding page, so no policy ever runs out."""
     longest = scaled_range(ORCA_INPUT_RANGE, s.scale)[1] + scaled_range(ORCA_OUTPUT_RANGE, s.scale)[1]
     max_model_len = -(-longest // s.page_size) * s.page_size
     num_pages = s.num_pages or s.max_num_seqs * (max_model_len // s.page_size) + 1
     return dict(model=s.model, dtype=s.dtype, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, page_size=s.page_size,
-                num_pages=num_pages, max_model_len=max_model_len, seed=s.seed)
+                num_pages=num_pages, max_model_len=max_model_len, seed=s.seed,
+                pipeline_parallel_size=s.pipeline_parallel_size, tensor_parallel_size=s.tensor_parallel_size)
 
 
 def build_engines(s: SweepSettings) -> dict:
@@ -102,7 +114,7 @@ def timed_run(engine, trace: Trace, hold_until_batch_ends: bool = False) -> dict
 
 
 def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
-    """Build both engines, then for each rate run every policy; return the JSON record."""
+    """Build every policy's engine, then for each rate run every policy; return the JSON record."""
     from orca_jax.bench.environment import machine_info, now_utc
 
     started = now_utc()
@@ -118,7 +130,7 @@ def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
     for rate in sorted(s.rates):
         trace = base.with_arrivals(rate, s.seed)
         for policy, engine in engines.items():
-            hold = policy == "request" and s.request_returns == "batch"
+            hold = holds_until_batch_ends(policy, s.request_returns)
             record = {"policy": policy, "rate": rate, **timed_run(engine, trace, hold)}
             if record["xla_compiles_during_run"]:
                 logger.warning("%s at %.3g req/s: %d XLA compile(s) during the timed run", policy, rate,
@@ -142,20 +154,25 @@ def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
 
 
 def analyze(runs: list[dict], policies: tuple[str, ...], slo_ms_per_token: float | None) -> dict:
-    """Curves per policy and, with both policies, the throughput ratio at the SLO latency and at
-    a few multiples of the unloaded latency."""
+    """Curves per policy and, with iteration-level and a baseline, the throughput ratio of
+    iteration over each baseline run at the SLO latency and at a few multiples of the unloaded
+    latency: "headline"/"ratios" over "request", "headline_padded"/"ratios_padded" over
+    "request_padded" (`BASELINE_KEYS`)."""
     curves = {p: curve_from_runs([r for r in runs if r["policy"] == p]) for p in policies}
     result: dict = {"curves": {p: [dataclasses.asdict(pt) for pt in c] for p, c in curves.items()}}
-    if set(policies) != set(POLICIES):
+    baselines = [b for b in BASELINE_KEYS if b in curves]
+    if "iteration" not in curves or not baselines:
         return result
     unloaded = min(pt.latency for pt in curves["iteration"])
     slo = slo_ms_per_token or DEFAULT_SLO_FACTOR * unloaded
     result["unloaded_latency_ms_per_token"] = unloaded
     result["slo_ms_per_token"] = slo
     result["slo_source"] = "given" if slo_ms_per_token else f"{DEFAULT_SLO_FACTOR} x unloaded iteration-level latency"
-    result["headline"] = throughput_ratio_at_latency(curves["iteration"], curves["request"], slo)
-    result["ratios"] = [throughput_ratio_at_latency(curves["iteration"], curves["request"], f * unloaded)
-                        for f in RATIO_FACTORS]
+    for baseline in baselines:
+        headline, ratios = BASELINE_KEYS[baseline]
+        result[headline] = throughput_ratio_at_latency(curves["iteration"], curves[baseline], slo)
+        result[ratios] = [throughput_ratio_at_latency(curves["iteration"], curves[baseline], f * unloaded)
+                          for f in RATIO_FACTORS]
     return result
 
 
@@ -168,7 +185,7 @@ def _default_model_name() -> str:
 # ---- report ---------------------------------------------------------------------------------------
 def format_run(r: dict) -> str:
     s = r["summary"]
-    return (f"{r['policy']:>9} @ {r['rate']:6.3g} req/s: {s['requests_per_s']:6.3f} req/s, "
+    return (f"{r['policy']:>14} @ {r['rate']:6.3g} req/s: {s['requests_per_s']:6.3f} req/s, "
             f"{s['output_tokens_per_s']:7.1f} out tok/s, norm. latency p50 {s['normalized_latency_ms']['p50']:8.1f} "
             f"p90 {s['normalized_latency_ms']['p90']:8.1f} ms/tok, TTFT p50 {s['ttft_ms']['p50']:8.1f} ms, "
             f"{r['engine_steps']} steps, {r['xla_compiles_during_run']} compiles")
@@ -206,10 +223,17 @@ def format_report(record: dict) -> str:
              "decode step (ms) by batch size: "
              + ", ".join(f"{k}: {v:.1f}" for k, v in record["decode_step_ms_by_batch_size"].items()),
              "", format_table(record["runs"])]
-    if "headline" in record:
+    baselines = [b for b, (headline, _) in BASELINE_KEYS.items() if headline in record]
+    if baselines:
         lines += ["", f"unloaded median normalized latency (iteration-level, lowest median): "
                   f"{record['unloaded_latency_ms_per_token']:.1f} ms/token",
-                  f"SLO {record['slo_ms_per_token']:.1f} ms/token ({record['slo_source']})",
-                  "ratios at other latencies: " + "; ".join(format_ratio(h) for h in record["ratios"]),
-                  "", "HEADLINE: iteration-level / request-level throughput " + format_ratio(record["headline"])]
+                  f"SLO {record['slo_ms_per_token']:.1f} ms/token ({record['slo_source']})"]
+    for baseline in baselines:
+        ratios = BASELINE_KEYS[baseline][1]
+        lines.append(f"ratios over {baseline} at other latencies: "
+                     + "; ".join(format_ratio(h, slow=baseline) for h in record[ratios]))
+    for baseline in baselines:
+        headline = BASELINE_KEYS[baseline][0]
+        lines += ["", f"HEADLINE: iteration-level / {BASELINE_TITLES[baseline]} throughput "
+                  + format_ratio(record[headline], slow=baseline)]
     return "\n".join(lines)

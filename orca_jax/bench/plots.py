@@ -12,6 +12,7 @@ from pathlib import Path
 POLICY_STYLE = {
     "iteration": {"label": "iteration-level (Orca)", "marker": "o", "color": "tab:blue"},
     "request": {"label": "request-level (static batching)", "marker": "s", "color": "tab:orange"},
+    "request_padded": {"label": "request-level, padded (FasterTransformer)", "marker": "^", "color": "tab:red"},
 }
 
 

@@ -92,19 +92,28 @@ class LlamaForCausalLM(nn.Module):
         return quantization.take_rows(embedding, input_ids, self.dtype)
 
     @nn.compact
-    def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices):
+    def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices, hidden=None):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
-        Returns (logits f32[S, V], kv_cache)."""
+        Returns (logits f32[S, V], kv_cache).
+
+        A pipeline stage (orca_jax.pipeline) runs the layers its cache and weights hold (L is
+        its share) and only its end of the model: a stage after the first takes the previous
+        stage's activations `hidden` [T, D] instead of embedding the tokens, and a stage before
+        the last passes `logits_indices=None` and gets (activations [T, D], kv_cache) back. Its
+        weights are those parts only (a tied head's last stage holds the table too)."""
         c = self.config
         # The table (and a separate head) quantized with the layers: at V = 49,152 it is a fifth
         # of a small model's weights, and a tied head reads all of it at every step.
+        needs_table = hidden is None or (logits_indices is not None and c.tie_word_embeddings)
         embedding = embedding_table(self, "embed", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype,
-                                    c.quantization)
-        x = self.embed(embedding, input_ids, metadata.positions)
+                                    c.quantization) if needs_table else None
+        x = self.embed(embedding, input_ids, metadata.positions) if hidden is None else hidden
         x, kv_cache = run_layer_stack(
             self.block, x, kv_cache, metadata, config=c, attention_impl=self.attention_impl, dtype=self.dtype,
             mesh=self.mesh,
         )
+        if logits_indices is None:
+            return x, kv_cache
         h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = quantization.table_logits(h, embedding)

@@ -3,6 +3,7 @@ behave like a roofline (decode bound by weight reads, long prefills by FLOPs).""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 
 import pytest
@@ -62,3 +63,22 @@ def test_bad_cost_model_files_name_the_key(tmp_path):
         load_cost_model(extra)
     with pytest.raises(FileNotFoundError, match="gpt3-175b-16xa100"):
         load_cost_model("no-such-model")
+
+
+# ---- pipeline stages ----------------------------------------------------------------------------
+def _with(cost, **sections):
+    return dataclasses.replace(cost, **{k: {**getattr(cost, k), **v} for k, v in sections.items()})
+
+
+@pytest.mark.parametrize("work", [StepWork(1, 300, 301, 1), StepWork(32, 9000, 9032, 32),
+                                  StepWork(8000, 0, 4_000_000, 20)])
+def test_stage_times_and_hops_add_up_to_step_time(gpt3, work):
+    for layers, stages, split in ((96, 2, [48, 48]), (95, 2, [48, 47]), (97, 3, [33, 32, 32]), (96, 1, [96])):
+        cost = _with(gpt3, model={"num_layers": layers}, parallelism={"pipeline_parallel": stages})
+        assert cost.stage_layers == split and cost.layers_per_stage == split[0]
+        times = cost.stage_times(work)
+        assert len(times) == stages
+        assert cost.step_overhead_s + sum(times) + (stages - 1) * cost.hop_time(work) == pytest.approx(
+            cost.step_time(work), rel=1e-12)
+        if stages == 2 and layers == 96:  # even split: the last stage is longer by the LM head only
+            assert times[1] > times[0]
