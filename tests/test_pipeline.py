@@ -251,7 +251,9 @@ def test_batches_overlap_across_stages(tiny_llama_factory, run_parallel_worker):
     batches = {r[0] for r in records}
     assert len(records) == 2 * len(batches) and len(batches) >= 10  # every batch crossed both stages
     done = {(b, s): end for b, s, _, end in records}
-    assert all(done[(b, 1)] >= done[(b, 0)] for b in batches)
+    # (Each stage's watcher thread stamps its outputs as it wakes, so under load a stage's
+    # stamp can trail a later stage's: the analysis clamps intervals to their order, and only
+    # the overlap is asserted.)
     # Stage 0 finished a later batch before stage 1 finished an earlier one: two in flight.
     assert any(done[(b + 1, 0)] < done[(b, 1)] for b in batches if (b + 1, 0) in done)
     report = analyze(records)
