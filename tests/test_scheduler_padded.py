@@ -12,7 +12,10 @@ budget, and prefills in one step; every step computes members x the step's longe
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,16 +43,19 @@ def make_scheduler(**kw) -> Scheduler:
     return Scheduler(config, PageAllocator(config.num_pages, config.page_size))
 
 
-def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", 0, list(range(3, 3 + prompt_len)),
-                    SamplingParams(max_tokens=max_tokens, temperature=0), seed=seq_id)
+def _sibling(name: str):
+    """A module of this directory by path (pytest imports tests in importlib mode), registered
+    under its own name so that the dataclasses it defines resolve."""
+    spec = importlib.util.spec_from_file_location(f"_orca_jax_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def run_step(sched: Scheduler, token: int = 7):
-    """schedule + a simulated model step (postprocess retires sequences at their length)."""
-    scheduled = sched.schedule()
-    sched.postprocess(scheduled, [token] * len(scheduled))
-    return scheduled
+# The scheduler tests' own sequence maker and one-step driver.
+_scheduler_tests = _sibling("test_scheduler")
+make_seq, run_step = _scheduler_tests.make_seq, _scheduler_tests.run_step
 
 
 def computed(scheduled) -> int:
