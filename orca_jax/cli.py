@@ -29,7 +29,8 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "page_size", "num_pages", "gpu_memory_utilization",
+                "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
                 "model_cache_dir", "speculative_config")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
@@ -74,6 +75,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="pipeline stages: the layers split over this many groups of --tensor-parallel-size "
                              "devices, one batch in flight per stage, as Orca (default: "
                              f"{EngineConfig.pipeline_parallel_size})")
+    parser.add_argument("--enable-expert-parallel", default=None, action=argparse.BooleanOptionalAction,
+                        help="mixture-of-experts models: each of the --tensor-parallel-size devices holds whole "
+                             "experts instead of a slice of every expert (default: off)")
     parser.add_argument("--page-size", type=int, default=None,
                         help=f"tokens per KV page (default: {EngineConfig.page_size})")
     parser.add_argument("--num-pages", type=int, default=None,

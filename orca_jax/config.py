@@ -77,12 +77,36 @@ class ModelConfig:
     # None: floats in the model dtype. Set by the engine (EngineConfig.quantization) or read
     # from a checkpoint's marker (already quantized); the model declares its tree from it.
     quantization: str | None = None
+    # Mixture of experts (orca_jax/models/moe.py); num_experts 0: a dense model. Each token goes
+    # to `num_experts_per_tok` of `num_experts` gated MLPs of width `moe_intermediate_size`,
+    # weighted by the router's `router_scoring` ("softmax" or "sigmoid") scores of its top
+    # experts, renormalised to sum to one when `norm_topk_prob`; a shared expert of width
+    # `shared_expert_intermediate_size` (0: none), gated by a sigmoid, sees every token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_scoring: str = "softmax"
+    # Set by the engine (EngineConfig.enable_expert_parallel), like `quantization`: the experts
+    # are sharded whole over the mesh (expert parallelism) instead of each expert's
+    # intermediate axis (tensor parallelism). It changes where the weights live, not their shapes.
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                             f"num_experts ({self.num_experts})")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -136,6 +160,10 @@ class EngineConfig:
     # tensor_parallel_size devices; up to this many batches are in flight, one per stage, and a
     # sequence in an in-flight batch is not scheduled again until its batch returns.
     pipeline_parallel_size: int = 1
+    # Mixture-of-experts models (vLLM's flag): each of the tensor_parallel_size devices holds
+    # whole experts (num_experts / tensor_parallel_size of them) instead of a slice of every
+    # expert. The attention stays tensor-parallel on the same devices.
+    enable_expert_parallel: bool = False
     scheduling: Literal["iteration", "request", "request_padded"] = "iteration"
     # Overlapped steps (vLLM's async scheduling): the engine dispatches step N+1 before it
     # reads step N's tokens, so the host's work hides behind the device's. Outputs are the
@@ -184,7 +212,7 @@ class EngineConfig:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
             errors.append(f"num_pages must be >= 2 (page 0 is the padding sink), got {self.num_pages}")
-        for name in ("async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax import quantization
+from orca_jax.kernels import grouped_mlp
 from orca_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),  # within a head (Q/K norms)
     ("positions", None),  # GPT-2's learned position table (small)
     ("layers", None),  # the stacked layer axis (pipeline stages would split this one)
+    # Mixture of experts (orca_jax/models/moe.py). Tensor parallelism: every device holds every
+    # expert ("experts", and the router's expert axis) and a slice of each one's "mlp" axis.
+    # Expert parallelism: each device holds whole experts ("sharded_experts"), not split inside
+    # ("expert_mlp").
+    ("experts", None),
+    ("sharded_experts", MODEL_AXIS),
+    ("expert_mlp", None),
     # A quantized weight's one group of per-channel scales (orca_jax.quantization); GGUF's
     # blocks take the name of the contraction axis they divide, and shard with it.
     ("quant_groups", None),
@@ -123,6 +131,35 @@ def sharded_model_config(model: ModelConfig, tensor_parallel_size: int) -> Model
         return model
     logger.info("tensor parallelism: %d KV heads replicated %dx, one per device", model.num_kv_heads, repeats)
     return dataclasses.replace(model, num_kv_heads=model.num_kv_heads * repeats)
+
+
+def expert_layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool) -> ModelConfig:
+    """The config of the model as placed on a mesh of `tensor_parallel_size`: for a mixture of
+    experts, whether its experts are split whole over the devices (`expert_parallel`) or each
+    split along its intermediate axis. Raises ValueError for a layout the sizes do not allow,
+    and for expert parallelism on a dense model."""
+    if not model.is_moe:
+        if expert_parallel:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {model.model_type} is dense")
+        return model
+    tp = tensor_parallel_size
+    if expert_parallel and model.num_experts % tp:
+        raise ValueError(f"expert parallelism over {tp} devices needs the experts ({model.num_experts}) to divide "
+                         f"by it; use a tensor_parallel_size that divides {model.num_experts}, or leave "
+                         f"enable_expert_parallel off to split each expert instead")
+    if not expert_parallel and model.moe_intermediate_size % tp:
+        raise ValueError(f"tensor parallelism over {tp} devices splits each expert's intermediate axis "
+                         f"({model.moe_intermediate_size}), which does not divide by it; enable_expert_parallel "
+                         f"places whole experts instead")
+    if tp == 1:
+        layout = "one device"
+    elif expert_parallel:
+        layout = f"expert-parallel, {model.num_experts // tp} whole experts on each of {tp} devices"
+    else:
+        layout = f"tensor-parallel, 1/{tp} of every expert's width on each device"
+    logger.info("mixture of experts: %d experts, top-%d per token, grouped matmuls by %s; %s", model.num_experts,
+                model.num_experts_per_tok, grouped_mlp.resolve_impl("auto", jax.default_backend()), layout)
+    return dataclasses.replace(model, expert_parallel=expert_parallel)
 
 
 def repeat_kv_heads(params: dict, logical: dict, repeats: int, xp=np) -> dict:
@@ -321,3 +358,27 @@ def per_shard_attention(mesh: Mesh, attend: Callable) -> Callable:
     return jax.shard_map(
         attend, mesh=mesh, in_specs=(heads, heads, heads, pages, P()), out_specs=(heads, pages), check_vma=False,
     )
+
+
+def mesh_spec(logical_axes: tuple[str, ...]) -> P:
+    """The PartitionSpec over the mesh of an array with these logical axes (one layer's weight
+    inside the layer scan, say), through LOGICAL_AXIS_RULES."""
+    rules = dict(LOGICAL_AXIS_RULES)
+    return P(*(rules[axis] for axis in logical_axes))
+
+
+# ---- experts per shard -----------------------------------------------------------------------
+def per_shard_experts(mesh: Mesh, up_spec: P, down_spec: P, expert_parallel: bool, routed: Callable) -> Callable:
+    """Run a mixture-of-experts layer's routed experts on each device's share of them and sum
+    the shares: `routed(x, weights, experts, num_tokens, gate, up, down, first_expert=) -> [T, D]`
+    sees the whole activations and routing (replicated) and this device's expert weights (gate
+    and up as `up_spec`, down as `down_spec`): all experts with a slice of each intermediate
+    axis (tensor parallelism), or whole experts numbered from `first_expert` (expert
+    parallelism). One all-reduce of [T, D] combines them (see orca_jax/models/moe.py for why
+    not an all-to-all)."""
+    def local(x, weights, experts, num_tokens, gate, up, down):
+        first = jax.lax.axis_index(MODEL_AXIS) * gate.shape[0] if expert_parallel else 0
+        return jax.lax.psum(routed(x, weights, experts, num_tokens, gate, up, down, first_expert=first), MODEL_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), up_spec, up_spec, down_spec),
+                         out_specs=P(), check_vma=False)

@@ -193,6 +193,8 @@ class PipelineRunner:
         if len({len(r) for r in ranges}) > 1:
             logger.info("pipeline: %d layers do not divide into %d stages; stage sizes %s (the first stages take "
                         "one more)", model_config.num_layers, num_stages, [len(r) for r in ranges])
+        # A mixture of experts' experts: split whole over each stage's row, or each along its width.
+        model_config = parallel.expert_layout(model_config, tp, config.enable_expert_parallel)
         stored = parallel.sharded_model_config(model_config, tp)
         self.model_config = stored
         repeats = parallel.kv_head_repeats(model_config, tp)
@@ -292,7 +294,8 @@ class PipelineRunner:
                 holders = {key: [s for s in range(num_stages) if stage_holds(key, s == 0, s == num_stages - 1, tied)]
                            for key in nn.unbox(abstract_variables(model_config))["params"] if key != "layers"}
                 rows = [stage_mesh(self.mesh, s) for s in range(num_stages)]
-                return dict(enumerate(params.restore_stages(self.dtype, self.mesh, rows, holders)))
+                placed = dataclasses.replace(params, config=model_config)  # laid out as here (expert parallelism)
+                return dict(enumerate(placed.restore_stages(self.dtype, self.mesh, rows, holders)))
             logger.info("pipeline: checkpoint restored to the host, then sliced per stage (%s)", why_not)
             params = params.restore_host(self.dtype)
         # The full model's config names the weights' logical axes; a stage's slice has the same

@@ -127,6 +127,8 @@ class ModelRunner:
         self.channel = channel
         self.dtype = jnp.dtype(config.dtype)
         tp = mesh.shape[parallel.MODEL_AXIS] if mesh is not None else 1
+        # A mixture of experts' experts: split whole over the mesh, or each along its width.
+        model_config = parallel.expert_layout(model_config, tp, config.enable_expert_parallel)
         # With tensor parallelism, KV heads may be stored replicated (see parallel.kv_head_repeats).
         self.model_config = parallel.sharded_model_config(model_config, tp) if mesh is not None else model_config
         self.model = architecture(model_config.model_type).model_class(
@@ -180,7 +182,9 @@ class ModelRunner:
     def _place_params(self, params, model_config: ModelConfig, tp: int):
         repeats = parallel.kv_head_repeats(model_config, tp) if self.mesh is not None else 1
         if not isinstance(params, dict):  # a checkpoint: restored straight into the placement
-            return params.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
+            # ... of the model as laid out here (expert parallelism is not the saved config's).
+            placed = dataclasses.replace(params, config=model_config)
+            return placed.restore(self.dtype, self.mesh, kv_head_repeats=repeats)
         return checkpoint.place_host_params(params, self.dtype, self.mesh, repeats, config=model_config)
 
     def _put(self, tree):

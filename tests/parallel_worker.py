@@ -2,7 +2,7 @@
 and tests/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
 suite runs on one device). Prints one JSON object of measurements; the tests assert on it.
 
-    python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2 [QUANTIZATION]   logits, tokens, shardings, HLO
+    python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2,ep@2 [QUANTIZATION]   logits, tokens, shardings, HLO
     python tests/parallel_worker.py checkpoint HF_DIR CKPT_DIR OUT_DIR   sharded orbax round trip
 """
 
@@ -69,27 +69,34 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 def collectives(hlo: str) -> dict:
     """All-reduces by the operation they follow (from XLA's op_name metadata), and the shapes
     that all-gathers produce."""
-    reduces = re.findall(r"= \S+ all-reduce\(.*?op_name=\"([^\"]+)\"", hlo)
+    # An all-reduce of several arrays (XLA combines neighbours) has a tuple type: "(f32[..], f32[..])".
+    reduces = re.findall(r"= (?:\([^)]*\)|\S+) all-reduce\(.*?op_name=\"([^\"]+)\"", hlo)
     return {
         "all_reduce_total": len(reduces),
         "all_reduce_o_proj": sum("o_proj" in r for r in reduces),
         "all_reduce_mlp_out": sum(("down_proj" in r or "mlp/proj" in r) for r in reduces),
+        "all_reduce_moe": sum("moe" in r and "psum" in r for r in reduces),  # the experts' shard_map psum
         "all_reduce_embed": sum("gather" in r and "layers" not in r for r in reduces),
         "all_gather_shapes": re.findall(r"= (\S+) all-gather\(", hlo),
+        "all_to_all": len(re.findall(r" all-to-all\(", hlo)),
         # The layer scan is one while loop: collectives inside it run once per layer.
         "in_layer_loop": len([r for r in reduces if "/while/body/" in r]),
     }
 
 
 def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) -> dict:
-    """`sizes`: "1", "2", ... or "IMPL@N" (attention implementation IMPL at size N). The first
-    is the reference for the logits. `quantization`: every run's weights quantized so."""
+    """`sizes`: "1", "2", ... or "IMPL@N" (attention implementation IMPL at size N), where IMPL
+    "ep" is expert parallelism (a mixture of experts' experts whole per device) with the
+    reference attention. The first is the reference for the logits. `quantization`: every
+    run's weights quantized so."""
     results, reference = {}, None
     for run in sizes:
         impl, _, tp = run.rpartition("@")
         tp = int(tp)
-        engine = LLMEngine(model=model_dir, tensor_parallel_size=tp, attention_impl=impl or "reference",
-                           quantization=quantization, **ENGINE)
+        expert_parallel = impl == "ep"
+        impl = "reference" if expert_parallel or not impl else impl
+        engine = LLMEngine(model=model_dir, tensor_parallel_size=tp, attention_impl=impl,
+                           enable_expert_parallel=expert_parallel, quantization=quantization, **ENGINE)
         logits, greedy = drive_logits(engine)
         tokens = generate(engine)
         result = {"greedy": greedy, "sampled": tokens}
@@ -105,6 +112,11 @@ def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) ->
             result["kv_shard_shapes"] = sorted({str(s.data.shape) for s in cache.addressable_shards})
             result["kv_devices"] = len(cache.sharding.device_set)
             attn = runner.params["params"]["layers"]["attn"]
+            if "moe" in runner.params["params"]["layers"]:
+                moe = runner.params["params"]["layers"]["moe"]
+                result["moe_specs"] = {name: str(moe[name].sharding.spec) for name in ("router", "gate_proj", "down_proj")}
+                result["moe_shard_shapes"] = {name: list(moe[name].addressable_shards[0].data.shape)
+                                              for name in ("gate_proj", "down_proj")}
             result["param_specs"] = {
                 "q_proj": str(attn["q_proj"]["kernel"].sharding.spec),
                 "k_proj": str(attn["k_proj"]["kernel"].sharding.spec),

@@ -2,7 +2,7 @@
 (JAX fixes the device count when it starts; the rest of the suite runs on one device). Prints
 one JSON object; the tests assert on it.
 
-    python tests/pipeline_worker.py tokens MODEL_DIR 1x1,2x1,2x2:request   outputs per PPxTP[:policy] layout
+    python tests/pipeline_worker.py tokens MODEL_DIR 1x1,2x1,2x2:request,2x2:ep   outputs per PPxTP[:policy|ep] layout
     python tests/pipeline_worker.py overlap MODEL_DIR PP [TP]               stage timestamps
     python tests/pipeline_worker.py checkpoint MODEL_DIR CKPT_DIR PP TP     orbax restore per stage
 """
@@ -51,9 +51,9 @@ def workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
     return requests
 
 
-def run_layout(model: str, pp: int, tp: int, scheduling: str = "iteration") -> dict:
+def run_layout(model: str, pp: int, tp: int, scheduling: str = "iteration", expert_parallel: bool = False) -> dict:
     engine = LLMEngine(model=model, pipeline_parallel_size=pp, tensor_parallel_size=tp, scheduling=scheduling,
-                       **ENGINE)
+                       enable_expert_parallel=expert_parallel, **ENGINE)
     compile_count()  # the listener is registered before the workload
     compiles = compile_count()
     in_flight_seen = []
@@ -166,10 +166,12 @@ def main() -> None:
     mode, model = sys.argv[1], sys.argv[2]
     if mode == "tokens":
         result = {}
-        for layout in sys.argv[3].split(","):  # PPxTP, or PPxTP:POLICY
+        for layout in sys.argv[3].split(","):  # PPxTP, or PPxTP:POLICY, or PPxTP:ep (expert parallelism)
             shape, _, policy = layout.partition(":")
             pp, tp = (int(x) for x in shape.split("x"))
-            result[layout] = run_layout(model, pp, tp, policy or "iteration")
+            expert_parallel = policy == "ep"
+            result[layout] = run_layout(model, pp, tp, "iteration" if expert_parallel else policy or "iteration",
+                                        expert_parallel)
     elif mode == "checkpoint":
         result = restore_per_stage(model, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif mode == "overlap":

@@ -293,9 +293,9 @@ def test_a_weight_without_logical_axes_is_refused():
 
 
 def test_a_logical_axis_the_rules_do_not_map_is_refused():
-    with pytest.raises(ValueError, match=r"parameter kernel has logical axes \['experts'\] that "
+    with pytest.raises(ValueError, match=r"parameter kernel has logical axes \['channels'\] that "
                                          r"parallel.LOGICAL_AXIS_RULES does not map"):
-        _logical_specs_of(_Declares(("embed", "experts")))
+        _logical_specs_of(_Declares(("embed", "channels")))
     with pytest.raises(ValueError, match="parameter kernel of shape \\(3, 4\\) declares 1 logical axes"):
         _logical_specs_of(_Declares(("embed",)))
 

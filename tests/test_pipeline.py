@@ -205,7 +205,18 @@ def gpt2_layouts(tiny_hf_model_factory, run_parallel_worker) -> dict:
     return run_parallel_worker("tokens", str(model), "1x1,2x1", worker="pipeline_worker.py")
 
 
-@pytest.fixture(params=["llama", "gpt2"])
+@pytest.fixture(scope="module")
+def moe_layouts(tiny_hf_model_factory, run_parallel_worker) -> dict:
+    # A mixture of experts (Qwen3-MoE, 8 experts, top-2) as stages, the second layout with its
+    # experts expert-parallel inside each stage's row; 3 layers: an uneven split.
+    model = tiny_hf_model_factory("Qwen3MoeConfig", seed=4, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256, intermediate_size=128,
+                                  moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                  norm_topk_prob=True, initializer_range=0.1)
+    return run_parallel_worker("tokens", str(model), "1x1,2x1,2x2:ep", worker="pipeline_worker.py")
+
+
+@pytest.fixture(params=["llama", "gpt2", "moe"])
 def layouts(request) -> dict:
     return request.getfixturevalue(f"{request.param}_layouts")
 
@@ -229,7 +240,7 @@ def test_pipelined_tokens_equal_one_device(layouts):
             # the running sequences split into disjoint batches: with 4 stages this workload
             # reaches 3.)
             assert run["max_in_flight"] <= pp, layout
-            if ":" not in layout:  # iteration-level: batches in flight at once (a static batch may fill one)
+            if layout.partition(":")[2] in ("", "ep"):  # iteration-level: batches in flight at once (a static batch may fill one)
                 assert run["max_in_flight"] >= 2, layout
             assert len(run["stage_devices"]) == pp and all(len(d) == tp for d in run["stage_devices"])
             devices = [d for stage in run["stage_devices"] for d in stage]

@@ -158,3 +158,36 @@ def test_scheduling_flag_overrides_the_preset():
     assert _engine_config(args).scheduling == "request"
     args = build_parser().parse_args(["serve", "--config", "smollm2-cpu"])
     assert _engine_config(args).scheduling == "iteration"
+
+
+# Qwen3-30B-A3B's config.json (the hub's, abridged to what the model reads).
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("name, devices", [("qwen3-30b-a3b-h200", 1), ("qwen3-30b-a3b-tpu-v5e-8", 8)])
+def test_moe_presets_fit_the_model_they_name(name, devices):
+    """The layout the preset asks for is one the model allows, and its description's sizes are
+    the model's: 30.5B parameters, 3.35B active per token, 61 GB in bfloat16, 7.6 GB per chip."""
+    import flax.linen as nn
+    import numpy as np
+
+    from orca_jax import parallel
+    from orca_jax.models import abstract_variables, config_from_hf
+
+    config = engine_config_from_preset(load_preset(name))
+    assert config.tensor_parallel_size == devices
+    model = parallel.expert_layout(config_from_hf(QWEN3_30B_A3B), devices, config.enable_expert_parallel)
+    parallel.kv_head_repeats(model, devices)  # raises if the heads cannot be split
+    sizes = {path: int(np.prod(leaf.shape))
+             for path, leaf in parallel.tree_paths(nn.unbox(abstract_variables(model))["params"]).items()}
+    total = sum(sizes.values())
+    experts = sum(sizes[f"layers/moe/{name}"] for name in ("gate_proj", "up_proj", "down_proj"))
+    active = total - experts + experts * model.num_experts_per_tok // model.num_experts
+    assert round(total / 1e9, 1) == 30.5 and round(active / 1e9, 2) == 3.35
+    assert round(2 * total / 1e9) == 61
+    if config.enable_expert_parallel:
+        assert model.num_experts // devices == 16 and round(2 * total / devices / 1e9, 1) == 7.6

@@ -18,7 +18,7 @@ import numpy as np
 from orca_jax import parallel, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.models import gpt2, llama
+from orca_jax.models import gpt2, llama, moe_families
 from orca_jax.models.layers import ACTIVATIONS, activation
 
 
@@ -45,6 +45,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _llama_family("Qwen2ForCausalLM"),  # + Q/K/V biases
     "qwen3": _llama_family("Qwen3ForCausalLM"),  # + per-head Q/K RMSNorm
     "gpt2": Architecture(gpt2.GPT2ForCausalLM, gpt2.config_from_hf, gpt2.hf_to_params, "GPT2LMHeadModel"),
+    # Mixtures of experts: the attention of mistral / qwen2 / qwen3, a SparseMoE layer as the MLP.
+    **{name: Architecture(moe_families.MoEForCausalLM, moe_families.config_from_hf, moe_families.hf_to_params,
+                          hf_class) for name, hf_class in (("mixtral", "MixtralForCausalLM"),
+                                                           ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                                           ("qwen3_moe", "Qwen3MoeForCausalLM"))},
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # By transformers' `hidden_act` names; GPT-2's `gelu_new` and `gelu_pytorch_tanh` are the same
@@ -100,6 +105,11 @@ def quantize_params(params: dict[str, Any], config: ModelConfig) -> dict[str, An
     -> the tree of the model of `config` (with `config.quantization` set): every weight the
     quantized model declares with scales beside it is quantized, the rest is left as it is.
     Consumes `params` (each float weight is dropped once quantized)."""
+    if config.is_moe:
+        raise ValueError(f"weight quantization ({config.quantization}) of mixture-of-experts models is not supported "
+                         f"yet ({config.model_type}: its experts are stacked [experts, in, out] and run as grouped "
+                         f"matmuls, which take float weights); serve it in float32 or bfloat16 (kv_cache_dtype may "
+                         f"still be 8-bit)")
     declared = nn.unbox(abstract_variables(config))["params"]
     logical = logical_specs(config)["params"]
 

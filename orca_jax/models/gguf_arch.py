@@ -3,13 +3,25 @@
 llama.cpp's converter (convert_hf_to_gguf.py) is the format's reference, so each entry here says
 what that converter writes for the HF family, and how to read it back:
 
-  "llama"  LlamaForCausalLM and MistralForCausalLM alike (llama.cpp has no "mistral"
-           architecture). Its RoPE is the interleaved kind (LLAMA_ROPE_TYPE_NORM), so the
-           converter permuted the Q and K rows (`LlamaModel.permute`); the loader undoes that.
-  "qwen2"  Qwen2 / Qwen2.5: Q, K, V biases. NEOX RoPE (rotate-half, as in transformers), so the
-           rows were written as they are: nothing to undo.
-  "qwen3"  Qwen3: per-head `attn_q_norm` / `attn_k_norm`, head_dim from `attention.key_length`
-           (not hidden / heads). NEOX RoPE, rows unpermuted, like qwen2.
+  "llama"     LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM alike (llama.cpp has
+              no "mistral" or "mixtral" architecture): a file with `llama.expert_count` is
+              Mixtral. Its RoPE is the interleaved kind (LLAMA_ROPE_TYPE_NORM), so the converter
+              permuted the Q and K rows (`LlamaModel.permute`); the loader undoes that.
+  "qwen2"     Qwen2 / Qwen2.5: Q, K, V biases. NEOX RoPE (rotate-half, as in transformers), so
+              the rows were written as they are: nothing to undo.
+  "qwen3"     Qwen3: per-head `attn_q_norm` / `attn_k_norm`, head_dim from
+              `attention.key_length` (not hidden / heads). NEOX RoPE, rows unpermuted, like qwen2.
+  "qwen2moe"  Qwen2MoeForCausalLM (Qwen1.5/2-MoE): qwen2's attention, experts as wide as
+              `expert_feed_forward_length`, a shared expert (`ffn_*_shexp`, gated by
+              `ffn_gate_inp_shexp`) as wide as `expert_shared_feed_forward_length`. llama.cpp
+              keeps the top-k router weights as they are (norm_topk_prob False).
+  "qwen3moe"  Qwen3MoeForCausalLM: qwen3's attention, experts as wide as
+              `expert_feed_forward_length`; llama.cpp renormalises the top-k router weights
+              (norm_topk_prob True) whatever the HF config said, and so does the loader.
+
+Mixture-of-experts files hold each layer's router (`ffn_gate_inp`) and its experts stacked, one
+tensor per projection (`ffn_{gate,up,down}_exps`, [experts, out, in] in numpy order), as the
+converter has written them since 2024; older files, with a tensor per expert, are refused.
 
 The metadata is turned into the HF `config.json` keys it stands for (`hf_config`), which the
 family's own parser (`orca_jax.models.config_from_hf`) then reads: GGUF and HF checkpoints share
@@ -35,8 +47,13 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("llama", rope_rows_permuted=True),
     "qwen2": GGUFArchitecture("qwen2", rope_rows_permuted=False),
     "qwen3": GGUFArchitecture("qwen3", rope_rows_permuted=False),
+    "qwen2moe": GGUFArchitecture("qwen2_moe", rope_rows_permuted=False),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", rope_rows_permuted=False),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# Whether llama.cpp renormalises an architecture's top-k router weights (its graph fixes it per
+# architecture, whatever the HF config said); Mixtral's HF parser always does.
+_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 
 # Architectures people are likely to try, and why they are refused (the error says so).
 _WHY_NOT = {
@@ -44,8 +61,6 @@ _WHY_NOT = {
             "transposed, which this loader does not read yet; load the HF checkpoint instead",
     "mistral3": "Ministral 3 files carry YaRN RoPE and attention temperature scaling, which orca_jax "
                 "does not implement",
-    "qwen2moe": "mixture-of-experts models are not supported",
-    "qwen3moe": "mixture-of-experts models are not supported",
 }
 
 
@@ -93,13 +108,39 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         **_rope_scaling(key),
         **_sliding_window(key),
+        **_experts(key, arch_name),
     }
     _check_full_rotary(key("rope.dimension_count"), hf)
-    # A window is what tells a Mistral file from a Llama one (same architecture name); the two
-    # parse alike, the name only keeps logs and checkpoint markers honest.
-    windowed = arch.model_type == "llama" and hf.get("sliding_window") is not None
-    hf["model_type"] = "mistral" if windowed else arch.model_type
+    hf["model_type"] = arch.model_type
+    if arch.model_type == "llama":
+        # Experts tell a Mixtral file from a Llama one, a window a Mistral one (same architecture
+        # name). Llama and Mistral parse alike, the name only keeps logs and checkpoint markers
+        # honest; Mixtral is its own family.
+        if "num_local_experts" in hf:
+            hf["model_type"] = "mixtral"
+        elif hf.get("sliding_window") is not None:
+            hf["model_type"] = "mistral"
     return hf
+
+
+def _experts(key, arch_name: str) -> dict[str, Any]:
+    """The experts' counts and widths under the keys of the family's HF config (Mixtral's
+    `num_local_experts`, the Qwens' `num_experts`); nothing for a dense file."""
+    count = key("expert_count")
+    if not count:
+        return {}
+    used = key("expert_used_count")
+    if not used:
+        raise ValueError(f"GGUF {arch_name}.expert_count is {count} but {arch_name}.expert_used_count is missing")
+    if arch_name == "llama":  # Mixtral: the experts are `feed_forward_length` wide
+        return {"num_local_experts": count, "num_experts_per_tok": used}
+    return {
+        "num_experts": count,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": _same_in_every_layer(key("expert_feed_forward_length"), "expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+        "norm_topk_prob": _NORM_TOPK_PROB.get(arch_name, False),
+    }
 
 
 def _same_in_every_layer(value, name: str):

@@ -44,12 +44,20 @@ class DecoderBlock(nn.Module):
         attn_out, kv_pages = self.make_attention()(norm(self.config.rms_norm_eps, self.dtype, name="input_norm")(x),
                                                    kv_pages, layer_metadata, inv_freq)
         h = x + attn_out
-        out = h + self.make_mlp()(norm(self.config.rms_norm_eps, self.dtype, name="post_attention_norm")(h))
+        out = h + self.feed_forward(norm(self.config.rms_norm_eps, self.dtype, name="post_attention_norm")(h),
+                                    metadata)
         return (out, kv_pages), None
 
     # What a family may swap (GPT-2 does): the norm, the MLP, RoPE.
     norm_cls: ClassVar[type[nn.Module]] = RMSNorm
     uses_rope: ClassVar[bool] = True
+
+    @nn.nowrap
+    def feed_forward(self, x, metadata: AttentionMetadata):
+        """The block's second half on the normed activations (a mixture of experts also reads
+        the step's metadata: which tokens are padding)."""
+        del metadata
+        return self.make_mlp()(x)
 
     @nn.nowrap
     def make_mlp(self) -> nn.Module:
@@ -125,9 +133,10 @@ class LlamaForCausalLM(nn.Module):
         return logits, kv_cache
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, Any]:
+def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig, with_mlp: bool = True) -> dict[str, Any]:
     """HF Llama/Mistral/Qwen2/Qwen3 names and PyTorch layouts ([out, in]) -> the Flax tree of
-    `LlamaForCausalLM` (named-axis kernels, layers stacked for the scan). Consumes `tensors`."""
+    `LlamaForCausalLM` (named-axis kernels, layers stacked for the scan). Consumes `tensors`.
+    `with_mlp` False: the layers' tree without "mlp" (a mixture-of-experts family adds its own)."""
     D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     t = HFTensors(tensors, c.num_layers, "model.layers")
     attn = {
@@ -145,23 +154,28 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, An
     if c.qk_norm:
         attn["q_norm"] = {"scale": t.per_layer("self_attn.q_norm.weight")}
         attn["k_norm"] = {"scale": t.per_layer("self_attn.k_norm.weight")}
-    mlp = {name: {"kernel": t.per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
-    if c.mlp_bias:
-        for name in mlp:
-            mlp[name]["bias"] = t.per_layer(f"mlp.{name}.bias")
     params = {
         "embed": t.take("model.embed_tokens.weight"),
         "layers": {
             "input_norm": {"scale": t.per_layer("input_layernorm.weight")},
             "attn": attn,
             "post_attention_norm": {"scale": t.per_layer("post_attention_layernorm.weight")},
-            "mlp": mlp,
         },
         "final_norm": {"scale": t.take("model.norm.weight")},
     }
+    if with_mlp:
+        params["layers"]["mlp"] = _hf_mlp(t, c)
     if not c.tie_word_embeddings:
         params["lm_head"] = t.take("lm_head.weight").T
     return {"params": params}
+
+
+def _hf_mlp(t: HFTensors, c: ModelConfig) -> dict[str, Any]:
+    mlp = {name: {"kernel": t.per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
+    if c.mlp_bias:
+        for name in mlp:
+            mlp[name]["bias"] = t.per_layer(f"mlp.{name}.bias")
+    return mlp
 
 
 def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:

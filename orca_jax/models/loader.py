@@ -30,6 +30,7 @@ import numpy as np
 from orca_jax import checkpoint, model_cache
 from orca_jax.config import ModelConfig
 from orca_jax.models import architecture, config_from_hf, gguf_arch, quantize_params
+from orca_jax.models.moe_families import HF_MOE_PREFIX  # where each MoE family keeps its experts
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,20 @@ _GGUF_BLOCK_TO_HF = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head RMSNorm
     "attn_k_norm": "self_attn.k_norm",
 }
+# Mixture-of-experts tensors, under the family's MoE prefix (`moe_families`: Mixtral's
+# block_sparse_moe, the Qwens' mlp). The stacked experts [E, out, in] take the names without
+# `.weight` that `moe_families.hf_to_params` reads stacked experts by (_GGUF_STACKED_EXPERTS).
+_GGUF_MOE_BLOCK_TO_HF = {
+    "ffn_gate_inp": "gate",  # the router, [E, D]
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",  # Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+}
+_GGUF_STACKED_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def _load_gguf_cached(path: Path, dtype: str, cache_dir) -> LoadedModel:
@@ -263,10 +278,10 @@ def _load_gguf(path: Path) -> LoadedModel:
         if tensor.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in weights))
             continue
-        hf_name = gguf_to_hf_name(tensor.name)
-        # llama.cpp stores Q and K rows permuted for its interleaved RoPE (llama architecture
-        # only; qwen2/qwen3 use NEOX RoPE, stored as in HF); undo it to get the rotate-half
-        # layout that transformers (and this model) use.
+        hf_name = gguf_to_hf_name(tensor.name, config.model_type)
+        # llama.cpp stores Q and K rows permuted for its interleaved RoPE (llama architecture,
+        # Mixtral included, only; the Qwens use NEOX RoPE, stored as in HF); undo it to get the
+        # rotate-half layout that transformers (and this model) use.
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and gguf_arch.rope_rows_permuted(meta):
             weights = unpermute_rope_rows(weights, config.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and gguf_arch.rope_rows_permuted(meta):
@@ -289,19 +304,31 @@ def _field_value(field):
 
 def gguf_config(meta: dict[str, Any]) -> ModelConfig:
     """GGUF metadata -> the HF `config.json` keys it stands for (`gguf_arch.hf_config`, per
-    architecture: llama, qwen2, qwen3) -> the family's own parser (`config_from_hf`), so GGUF and
-    HF checkpoints share one set of defaults and checks. Other architectures raise ValueError."""
+    architecture: llama (and Mixtral), qwen2, qwen3, qwen2moe, qwen3moe) -> the family's own
+    parser (`config_from_hf`), so GGUF and HF checkpoints share one set of defaults and checks.
+    Other architectures raise ValueError."""
     return config_from_hf(gguf_arch.hf_config(meta))
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, model_type: str | None = None) -> str:
+    """A GGUF tensor name -> the HF name the family's converter reads it by. Router and expert
+    tensors are named only for a mixture-of-experts `model_type` (their HF prefix is the
+    family's); in any other file they are unexpected."""
     if name in _GGUF_TO_HF:
         return _GGUF_TO_HF[name]
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+        raise ValueError(f"GGUF tensor {name!r} holds a single expert, as llama.cpp's converter wrote "
+                         "mixture-of-experts files before April 2024; only stacked experts (ffn_gate_exps, "
+                         "ffn_up_exps, ffn_down_exps) are read: reconvert the model with a current "
+                         "convert_hf_to_gguf.py, or load its HF checkpoint")
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if not match or match.group(2) not in _GGUF_BLOCK_TO_HF:
-        raise ValueError(f"unexpected tensor {name!r} in GGUF file")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_GGUF_BLOCK_TO_HF[part]}.{kind}"
+    layer, part, kind = match.groups() if match else (None, None, None)
+    if part in _GGUF_BLOCK_TO_HF:
+        return f"model.layers.{layer}.{_GGUF_BLOCK_TO_HF[part]}.{kind}"
+    if part in _GGUF_MOE_BLOCK_TO_HF and model_type in HF_MOE_PREFIX:
+        hf_name = f"model.layers.{layer}.{HF_MOE_PREFIX[model_type]}.{_GGUF_MOE_BLOCK_TO_HF[part]}"
+        return hf_name if part in _GGUF_STACKED_EXPERTS else f"{hf_name}.{kind}"
+    raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 
 def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

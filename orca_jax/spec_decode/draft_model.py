@@ -66,6 +66,7 @@ class DraftModelProposer:
         config = dataclasses.replace(
             target_config, model=model or target_config.model, speculative_config=None, enable_prefix_caching=False,
             scheduling="iteration", num_pages=num_pages, max_model_len_from_model=False,
+            enable_expert_parallel=False,  # one device: nothing to split (and the draft may be dense)
         ).resolve(loaded.config)
         params, loaded.params = loaded.params, None
         self.runner = ModelRunner(loaded.config, config, params, attention_impl)

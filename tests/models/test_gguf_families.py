@@ -504,7 +504,7 @@ def test_unknown_architecture_is_refused_listing_the_supported_ones(tmp_path, ar
     writer.close()
     with pytest.raises(ValueError, match=f"unsupported GGUF architecture '{arch}'") as info:
         load_model(path)
-    assert str(info.value).endswith("supported: llama, qwen2, qwen3")
-    assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3")
+    assert str(info.value).endswith("supported: llama, qwen2, qwen3, qwen2moe, qwen3moe")
+    assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
     if arch == "gpt2":
         assert "attn_qkv" in str(info.value)  # says why, not just no

@@ -90,4 +90,6 @@ def test_each_family_owns_its_parser():
 def _fields_of(model_type: str) -> dict:
     if model_type == "gpt2":
         return dict(vocab_size=10, n_embd=64, n_layer=1, n_head=4)
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return dict(_LLAMA_BASE, num_local_experts=4, num_experts_per_tok=2)
     return dict(_LLAMA_BASE)

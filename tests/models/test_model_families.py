@@ -1,4 +1,5 @@
-"""GPT-2, Qwen2, Qwen3 and Mistral against Hugging Face transformers (PyTorch CPU, float32),
+"""GPT-2, Qwen2, Qwen3, Mistral and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE
+against Hugging Face transformers (PyTorch CPU, float32),
 through the real engine path, plus the registry (`orca_jax.models`) and the HF config fields
 each family reads.
 
@@ -22,10 +23,14 @@ from orca_jax import LLM
 from orca_jax.models import ARCHITECTURES, SUPPORTED_MODEL_TYPES, architecture, config_from_hf
 from orca_jax.models.gpt2 import GPT2ForCausalLM
 from orca_jax.models.llama import LlamaForCausalLM
+from orca_jax.models.moe_families import MoEForCausalLM
 from orca_jax.models.loader import load_model
 
 ATOL = 1e-4
 MISTRAL_WINDOW = 12  # below most sequence lengths here, and not a multiple of the page size (8)
+
+_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, num_experts_per_tok=2, initializer_range=0.1)
 
 # name -> (transformers config class, its settings, randomise biases). `initializer_range=0.1`:
 # HF's default 0.02 makes attention nearly uniform, so position mistakes would hide.
@@ -46,7 +51,19 @@ FAMILIES = {
                                       num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                       max_position_embeddings=256, sliding_window=MISTRAL_WINDOW,
                                       initializer_range=0.1), False),
+    # Mixtures of experts (orca_jax/models/moe.py): 8 experts, top-2, so a step of three tokens
+    # or fewer leaves at least two experts without a row (decode steps here are one to five).
+    "mixtral": ("MixtralConfig", dict(_MOE, intermediate_size=48, num_local_experts=8), False),
+    # Q/K/V biases randomised; a sigmoid-gated shared expert wider than the routed ones (as in
+    # Qwen1.5-MoE); top-k scores kept unnormalised.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE, intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=96, num_experts=8,
+                                         norm_topk_prob=False), True),
+    # Renormalised top-k; head_dim 32 with per-head Q/K norms.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                         head_dim=32, norm_topk_prob=True), False),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # PyTorch is the reference here; run it single-threaded (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -88,6 +105,7 @@ def test_logits_match_transformers_through_engine(parity_results, name):
 
 @pytest.mark.parametrize("name, model_class", [
     ("gpt2", GPT2ForCausalLM), ("qwen2", LlamaForCausalLM), ("qwen3", LlamaForCausalLM), ("mistral", LlamaForCausalLM),
+    *((name, MoEForCausalLM) for name in MOE_FAMILIES),
 ])
 def test_engine_runs_the_family_model(parity_results, name, model_class):
     engine = parity_results[name]["engine"]
@@ -161,8 +179,10 @@ def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
 # Registry and config fields.
 # ---------------------------------------------------------------------------------------------
 def test_registry_covers_the_supported_model_types():
-    assert SUPPORTED_MODEL_TYPES == tuple(ARCHITECTURES) == ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-    with pytest.raises(ValueError, match="bert.*supported: llama, mistral, qwen2, qwen3, gpt2"):
+    assert SUPPORTED_MODEL_TYPES == tuple(ARCHITECTURES) == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral",
+                                                             "qwen2_moe", "qwen3_moe")
+    with pytest.raises(ValueError, match="bert.*supported: llama, mistral, qwen2, qwen3, gpt2, mixtral, qwen2_moe, "
+                                         "qwen3_moe"):
         architecture("bert")
 
 
