@@ -103,7 +103,7 @@ MOE_MODEL = dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=1024, num_
 # ---- the machine --------------------------------------------------------------------------
 def _cpu_step_bench():
     """benchmarks/cpu_step_bench.py (by path: this script runs from any directory), whose
-    records of the machine and the code every CPU number here shares."""
+    records of the machine and the code (and argument parsers) this script shares."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_orca_jax_cpu_step_bench",
@@ -509,23 +509,8 @@ def format_tables(rows: list[dict], impls: list[str], models: dict) -> str:
 
 
 # ---- arguments ----------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated; got {text!r}")
-    return values
-
-
-def _choices(allowed: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        if not values or any(v not in allowed for v in values):
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated); got {text!r}")
-        return list(dict.fromkeys(values))
-    return parse
+# Comma-separated lists of positive integers / of allowed names: cpu_step_bench's parsers.
+_int_list, _choices = _machine._int_list, _machine._choices
 
 
 def _shapes(text: str) -> list[Shape]:

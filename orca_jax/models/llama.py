@@ -171,7 +171,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig, with_mlp: bool 
 
 
 def _hf_mlp(t: HFTensors, c: ModelConfig) -> dict[str, Any]:
-    mlp = {name: {"kernel": t.per_layer(f"mlp.{name}.weight", lambda w: w.T)} for name in ("gate_proj", "up_proj", "down_proj")}
+    mlp = {name: {"kernel": t.per_layer(f"mlp.{name}.weight", lambda w: w.T)}
+           for name in ("gate_proj", "up_proj", "down_proj")}
     if c.mlp_bias:
         for name in mlp:
             mlp[name]["bias"] = t.per_layer(f"mlp.{name}.bias")
