@@ -105,8 +105,9 @@ def _block_loop(rows, group_sizes, block_rows: int, out_dim: int, block_fn: Call
     num_rows = rows.shape[0]
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    padded_ends = jnp.cumsum((group_sizes + block_rows - 1) // block_rows * block_rows)
-    padded_starts = padded_ends - (group_sizes + block_rows - 1) // block_rows * block_rows
+    padded_sizes = (group_sizes + block_rows - 1) // block_rows * block_rows
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
     num_blocks = padded_ends[-1] // block_rows
     rows = jnp.concatenate([rows, jnp.zeros((block_rows, rows.shape[1]), rows.dtype)])
     out = jnp.zeros((num_rows + block_rows, out_dim), rows.dtype)

@@ -3,8 +3,9 @@ the part every family's converter shares."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import jax
 import numpy as np
 
 
@@ -27,9 +28,16 @@ class HFTensors:
 
     def per_layer(self, suffix: str, convert: Callable[[np.ndarray], np.ndarray] = lambda w: w) -> np.ndarray:
         """`suffix` of every layer, converted, stacked on a leading layer axis (for the scan)."""
-        first = convert(self.take(f"{self.layer_prefix}.0.{suffix}"))
-        stacked = np.empty((self.num_layers, *first.shape), first.dtype)
-        stacked[0] = first
-        for i in range(1, self.num_layers):
-            stacked[i] = convert(self.take(f"{self.layer_prefix}.{i}.{suffix}"))
+        return self.stack_layers(lambda i: convert(self.take(f"{self.layer_prefix}.{i}.{suffix}")))
+
+    def stack_layers(self, read_layer: Callable[[int], Any]) -> Any:
+        """`read_layer(i)` (an array, or a nested dict of arrays) of every layer, each leaf stacked
+        on a leading layer axis. Each layer is copied into the stacked arrays as it is read, so
+        the peak is one copy of the weights, not two."""
+        stacked = None
+        for i in range(self.num_layers):
+            layer = read_layer(i)
+            if stacked is None:
+                stacked = jax.tree.map(lambda a: np.empty((self.num_layers, *a.shape), a.dtype), layer)
+            jax.tree.map(lambda whole, part: whole.__setitem__(i, part), stacked, layer)
         return stacked

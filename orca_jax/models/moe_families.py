@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, ClassVar
 
 import flax.linen as nn
-import jax
 import numpy as np
 
 from orca_jax.config import ModelConfig
@@ -81,23 +80,11 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, An
     `experts.down_proj` [E, D, F], or one `experts.{gate,up,down}_proj` [E, out, in] per
     projection (the GGUF loader's names for llama.cpp's `ffn_*_exps`). Consumes `tensors`."""
     t = HFTensors(tensors, c.num_layers, "model.layers")
-    moe = _hf_moe_layers(t, c, f"model.layers.{{}}.{HF_MOE_PREFIX[c.model_type]}")
+    prefix = f"model.layers.{{}}.{HF_MOE_PREFIX[c.model_type]}"
+    moe = t.stack_layers(lambda i: _hf_moe_layer(t, c, prefix.format(i)))
     params = llama.hf_to_params(tensors, c, with_mlp=False)
     params["params"]["layers"]["moe"] = moe
     return params
-
-
-def _hf_moe_layers(t: HFTensors, c: ModelConfig, prefix: str) -> dict[str, Any]:
-    """Router, experts (and shared expert) of every layer, stacked on the layer axis. `prefix`
-    formats with the layer index. Each layer is copied into the stacked arrays as it is read, so
-    the peak is one copy of the experts, not two."""
-    stacked = None
-    for i in range(c.num_layers):
-        layer = _hf_moe_layer(t, c, prefix.format(i))
-        if stacked is None:
-            stacked = jax.tree.map(lambda a: np.empty((c.num_layers, *a.shape), a.dtype), layer)
-        jax.tree.map(lambda whole, part: whole.__setitem__(i, part), stacked, layer)
-    return stacked
 
 
 def _hf_moe_layer(t: HFTensors, c: ModelConfig, prefix: str) -> dict[str, Any]:
