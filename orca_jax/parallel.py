@@ -231,10 +231,9 @@ def param_spec(name: str, logical: P, shape: tuple[int, ...], mesh_size: int) ->
     """PartitionSpec of the parameter `name` (named in messages) from its logical axes, through
     LOGICAL_AXIS_RULES. A weight with a split axis that does not divide by the mesh size is
     replicated instead (with a warning), and so is one without a split axis: P()."""
-    rules = dict(LOGICAL_AXIS_RULES)
     if len(logical) != len(shape):
         raise ValueError(f"parameter {name} of shape {shape} does not match its logical axes {logical}")
-    axes = tuple(rules[axis] for axis in logical)
+    axes = tuple(mesh_spec(tuple(logical)))
     split = [axis for axis in axes if axis is not None]
     if len(split) != len(set(split)):
         raise ValueError(f"parameter {name}: logical axes {logical} put one mesh axis on two dimensions")
