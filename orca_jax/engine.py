@@ -44,7 +44,7 @@ from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.models.loader import load_model
 from orca_jax.outputs import RequestOutput
-from orca_jax.request import Request, make_output
+from orca_jax.request import Request, make_output, split_prompt
 from orca_jax.pipeline import PipelineRunner
 from orca_jax.pipeline_layout import make_pipeline_mesh
 from orca_jax.runner import ModelRunner
@@ -208,24 +208,31 @@ class LLMEngine:
         )
 
     # ---- requests in ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. Raises RequestError (a ValueError naming the bad
-        argument) or TypeError, and changes nothing, if it is bad."""
-        self.add_requests([(request_id, prompt, params)])
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    *, cache_salt: str | None = None) -> None:
+        """Validate and queue a request. `prompt`: text, token ids, or vLLM's prompt dicts
+        ({"prompt": text} or {"prompt_token_ids": ids}, either with an optional "cache_salt").
+        `cache_salt` (vLLM's field): the request shares prefix-cache pages only with requests
+        of the same salt. Raises RequestError (a ValueError naming the bad argument) or
+        TypeError, and changes nothing, if it is bad."""
+        self.add_requests([(request_id, prompt, params)], cache_salt=cache_salt)
 
-    def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams | None]]) -> None:
+    def add_requests(self, requests: list[tuple[str, str | list[int] | dict, SamplingParams | None]], *,
+                     cache_salt: str | None = None) -> None:
         """Validate and queue several requests (request id, prompt, params), all or none: the
-        first bad one raises as add_request does, and then none is queued."""
+        first bad one raises as add_request does, and then none is queued. `cache_salt` salts
+        every one of them whose prompt dict does not carry its own."""
         prepared: dict[str, Request] = {}
         for request_id, prompt, params in requests:
             if request_id in prepared:
                 raise RequestError(f"request id {request_id!r} is already in use", None, "duplicate_request_id")
-            prepared[request_id] = self._prepare(request_id, prompt, params)
+            prepared[request_id] = self._prepare(request_id, prompt, params, cache_salt)
         for request in prepared.values():
             self._queue(request)
 
-    def _prepare(self, request_id: str, prompt, params: SamplingParams | None) -> Request:
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, cache_salt: str | None) -> Request:
         """Everything add_request checks, without touching the engine's state."""
+        prompt, cache_salt = split_prompt(prompt, cache_salt)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -237,7 +244,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.validate(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0) for i in range(params.n)]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0, cache_salt=cache_salt)
+                for i in range(params.n)]
         if params.structured_outputs is not None:
             for seq in seqs:
                 seq.guided = GuidedState()
@@ -276,7 +284,7 @@ class LLMEngine:
             if bad:
                 raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
             return None, ids
-        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
 
     def _validate_lengths(self, seq: Sequence) -> None:
         """The prompt leaves room for a generated token, and one sample at its longest fits

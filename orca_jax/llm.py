@@ -20,7 +20,9 @@ from orca_jax.engine import LLMEngine
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids":
+# ids} (TokensPrompt), either with an optional "cache_salt" (orca_jax/request.py: split_prompt).
+Prompt = str | list[int] | dict
 Conversation = list[dict]
 
 __all__ = ["LLM", "apply_chat_template"]
@@ -46,7 +48,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        """Generate for every prompt (strings, token-id lists, or prompt dicts: a dict with a
+        "cache_salt" shares cached prefix pages only with prompts of the same salt); outputs in
+        prompt order."""
         prompts = _as_prompt_list(prompts)
         params = _final_only(_as_params_list(sampling_params, len(prompts)))
         request_ids = []
@@ -106,7 +110,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]

@@ -14,8 +14,9 @@ long been sent), or answers 500 when not streamed.
 
 String prompts are tokenized here, with this side's own tokenizer, so that the context rule
 OpenAI and vLLM apply (prompt + max_tokens <= max_model_len, else a 400) is checked before
-anything is queued; the engine receives token ids. A request's prompts enter the engine in one
-inbox operation, all or none.
+anything is queued; the engine receives token ids (in vLLM's TokensPrompt dict, beside the
+request's `cache_salt`, when it has one). A request's prompts enter the engine in one inbox
+operation, all or none.
 
 The engine is asked for "delta" outputs when streaming (each output holds only its new text,
 token ids and log-probs, so a chunk costs what it sends) and for "final_only" outputs
@@ -104,7 +105,7 @@ class OpenAIServing:
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
             self._check_room(len(ids), params.max_tokens, "max_tokens")
-        submitted = await self._submit("cmpl", prompt_ids, params, names)
+        submitted = await self._submit("cmpl", prompt_ids, params, names, request.cache_salt)
         # Echoed token-id prompts are decoded only now, once the engine has checked their range.
         try:
             submitted.prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) if request.echo else ""
@@ -207,7 +208,7 @@ class OpenAIServing:
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
         params = _constrained(params, request, names, plan)
         self._check_room(len(prompt_ids), params.max_tokens, request.max_tokens_field)
-        submitted = await self._submit("chatcmpl", [prompt_ids], params, names)
+        submitted = await self._submit("chatcmpl", [prompt_ids], params, names, request.cache_salt)
         submitted.prompt_texts = [""]
         if request.stream:
             return EventStream(self._chat_chunks(request, plan, submitted, wait_for_disconnect), submitted.abort_all)
@@ -319,12 +320,16 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def _submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, names: Names) -> _Submitted:
+    async def _submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, names: Names,
+                      cache_salt: str | None = None) -> _Submitted:
         """Queue one engine request per prompt, in one go and all or none (the engine admits
-        them together, before its next step, or none of them)."""
+        them together, before its next step, or none of them); with `cache_salt`, each prompt
+        goes as a TokensPrompt dict carrying it."""
         submitted = _Submitted(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), [], [])
         request_ids = ([submitted.request_id] if len(prompts) == 1
                        else [f"{submitted.request_id}-{p}" for p in range(len(prompts))])
+        if cache_salt is not None:
+            prompts = [{"prompt_token_ids": ids, "cache_salt": cache_salt} for ids in prompts]
         try:
             submitted.streams = await self.engine.add_requests(
                 [(request_id, prompt, params) for request_id, prompt in zip(request_ids, prompts)])

@@ -14,8 +14,9 @@ names the field the client wrote. Tools (`tools`, `tool_choice`, assistant `tool
 `tool` messages) are checked here too; orca_jax/chat_tools.py gives them their meaning.
 
 vLLM's extensions that map onto SamplingParams are accepted too (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`); the
-`openai` client sends them through `extra_body`.
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`), and its
+`cache_salt` (which keys the request's prefix-cache pages); the `openai` client sends them
+through `extra_body`.
 
 This module checks wire types and shapes only; the ranges of sampling fields are checked once,
 by SamplingParams. Every check, here or there, raises a RequestError that names its field, and
@@ -172,6 +173,15 @@ class SamplingRequest(StrictModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
+    # vLLM's extension: requests share prefix-cache pages only with requests of the same salt.
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _non_empty_cache_salt(cls, salt):
+        if salt is not None and (not isinstance(salt, str) or not salt):  # vLLM's rule
+            raise RequestError(f"cache_salt must be a non-empty string if given, got {salt!r}")
+        return salt
 
     @field_validator("logit_bias")
     @classmethod

@@ -6,6 +6,12 @@ since the request's previous output: per sample, `reported_tokens` / `reported_l
 what was already handed out, and the detokenizer keeps its own count of the characters sent.
 Only "cumulative" copies everything so far (its contract is a full snapshot every step);
 "delta" slices off the new part, and "final_only" builds nothing until the request finishes.
+
+A prompt comes in any of vLLM's forms (`split_prompt`): text, token ids, or a dict, vLLM's
+TextPrompt `{"prompt": text}` or TokensPrompt `{"prompt_token_ids": ids}`, either of which may
+carry a `cache_salt`. The salt keys the request's prefix-cache pages (orca_jax/prefix_cache.py):
+requests share cached pages only when their salts are equal (none being one value), so a
+tenant's prompts cannot be timed against another's cache.
 """
 
 from __future__ import annotations
@@ -14,9 +20,53 @@ import time
 from dataclasses import dataclass, field
 
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.errors import RequestError, check_unicode
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.sequence import Sequence
+
+
+# The keys of a prompt dict this engine serves (vLLM's TextPrompt and TokensPrompt, without the
+# multi-modal ones).
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def split_prompt(prompt, cache_salt: str | None = None) -> tuple[object, str | None]:
+    """A prompt in any of vLLM's forms -> (its text or token ids, its prefix-cache salt or None).
+    `cache_salt` is a salt given beside the prompt (LLMEngine.add_request's argument); a dict's
+    own salt and that one must agree. The text or ids are checked later, by the engine's
+    tokenizer; raises RequestError naming what is wrong here (a dict key, the salt)."""
+    if isinstance(prompt, dict):
+        unknown = [key for key in prompt if key not in PROMPT_DICT_KEYS]
+        if unknown:
+            raise RequestError(f"unknown prompt key {unknown[0]!r}: a prompt dict holds 'prompt' (text) or "
+                               "'prompt_token_ids', and optionally 'cache_salt'", "prompt")
+        given = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+        if len(given) != 1:
+            raise RequestError("a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids'", "prompt")
+        if given == ["prompt"] and not isinstance(prompt["prompt"], str):
+            raise RequestError("a prompt dict's 'prompt' is text; token ids go in 'prompt_token_ids'", "prompt")
+        if given == ["prompt_token_ids"] and isinstance(prompt["prompt_token_ids"], str):
+            raise RequestError("a prompt dict's 'prompt_token_ids' is a list of token ids; text goes in 'prompt'",
+                               "prompt")
+        own_salt = prompt.get("cache_salt")
+        if own_salt is not None and cache_salt is not None and own_salt != cache_salt:
+            raise RequestError("cache_salt is given twice, differently: in the prompt dict and beside it",
+                               "cache_salt")
+        cache_salt = own_salt if own_salt is not None else cache_salt
+        prompt = prompt[given[0]]
+    check_cache_salt(cache_salt)
+    return prompt, cache_salt
+
+
+def check_cache_salt(cache_salt) -> None:
+    """None (no salt) or a non-empty string, as vLLM requires; valid Unicode, since it is hashed
+    as UTF-8."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise RequestError(f"cache_salt must be a non-empty string if given, got {cache_salt!r}", "cache_salt")
+    check_unicode(cache_salt, "cache_salt")
 
 
 @dataclass

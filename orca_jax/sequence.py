@@ -51,10 +51,12 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_preemptions: int = 0
     first_token_time: float | None = None
-    # Prefix caching (orca_jax.prefix_cache): the content hashes of the full pages of its known
-    # tokens so far (they stay valid across preemption: the tokens do not change), how many of
-    # page_ids are published or were found cached, and the prompt tokens found in the cache
-    # when it was first admitted (vLLM's num_cached_tokens; None until then).
+    # Prefix caching (orca_jax.prefix_cache): its request's salt (vLLM's cache_salt, which keys
+    # its first page's hash and so every page: only sequences of one salt share pages), the
+    # content hashes of the full pages of its known tokens so far (they stay valid across
+    # preemption: the tokens do not change), how many of page_ids are published or were found
+    # cached, and the prompt tokens found in the cache when it was first admitted (vLLM's
+    # num_cached_tokens; None until then).
     cache_salt: str | None = None
     page_hashes: list[bytes] = field(default_factory=list)
     num_published_pages: int = 0

@@ -207,3 +207,27 @@ def test_generate_with_structured_outputs_and_chat_with_tools(llm):
     [out] = llm.chat(conversation, greedy(4), use_tqdm=False, tools=tools)
     assert out.prompt_token_ids == with_tools
     assert_idle(llm)
+
+
+def test_prompt_dicts_with_cache_salts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, with and without a cache_salt: the same tokens as
+    the plain prompt, and cached pages shared only between prompts of the same salt (text and
+    token-id forms of one salted prompt included); an unknown key is refused by name."""
+    text = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 2
+    ids = llm.get_tokenizer().encode(text)
+    assert len(ids) > 24, "the prompt must fill pages"
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm.reset_prefix_cache()
+    [first] = llm.generate({"prompt": text, "cache_salt": "tenant-1"}, params, use_tqdm=False)
+    assert first.prompt == text and first.prompt_token_ids == ids and first.num_cached_tokens == 0
+    # Another salt and no salt, in one batch: neither takes tenant-1's pages, nor each other's.
+    other, plain = llm.generate([{"prompt": text, "cache_salt": "tenant-2"}, text], params, use_tqdm=False)
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    # The same salt, as token ids: its pages are found.
+    [again] = llm.generate([{"prompt_token_ids": ids, "cache_salt": "tenant-1"}], params, use_tqdm=False)
+    assert again.prompt is None and again.num_cached_tokens == (len(ids) - 1) // 8 * 8
+    assert {o.outputs[0].token_ids == first.outputs[0].token_ids for o in (other, plain, again)} == {True}
+    with pytest.raises(ValueError, match="unknown prompt key 'salt'"):
+        llm.generate([{"prompt": text, "cache_salt": "tenant-1"}, {"prompt": text, "salt": "x"}], params,
+                     use_tqdm=False)
+    assert_idle(llm)

@@ -2,7 +2,8 @@
 Llama giving, with caching on, token for token the outputs it gives with caching off (greedy
 and seeded) while computing fewer prompt tokens: many requests on one long prefix, prefixes
 ending mid-page, a prompt that is exactly a cached prefix, n = 4, a multi-turn chat, a tiny
-pool that preempts and evicts, a failed step, and no compiles after warm-up.
+pool that preempts and evicts, a failed step, and no compiles after warm-up; requests with
+different cache salts (vLLM's cache_salt) never share a page, requests with the same one do.
 
 The allocator's reference counts and eviction are tested in tests/test_kv_cache.py, the
 scheduler's admission and publishing (with a fake KV cache that checks every read) in
@@ -16,6 +17,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.errors import RequestError
 from orca_jax.prefix_cache import extend_page_hashes, hash_page
 
 
@@ -83,13 +85,14 @@ class ScheduledTokens:
         return scheduled
 
 
-def run(engine, requests, max_steps: int = 5000) -> tuple[dict, int]:
-    """All requests to the end, in one batch (added before the first step). Returns per
-    request (its samples' token ids, finish reasons, num_cached_tokens) and the tokens computed;
-    checks that the engine is idle with no page held afterwards."""
+def run(engine, requests, max_steps: int = 5000, cache_salt: str | None = None) -> tuple[dict, int]:
+    """All requests to the end, in one batch (added before the first step, salted with
+    `cache_salt`). Returns per request (its samples' token ids, finish reasons,
+    num_cached_tokens) and the tokens computed; checks that the engine is idle with no page
+    held afterwards."""
     counter = ScheduledTokens(engine)
     try:
-        engine.add_requests(requests)
+        engine.add_requests(requests, cache_salt=cache_salt)
         final = {}
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
@@ -296,3 +299,58 @@ def test_reset_prefix_cache_forgets_everything(engines):
     assert engine.allocator.num_cached == 0 and engine.num_free_pages == engine.allocator.num_usable
     again, _ = run(engine, [("b", prompt, greedy(3))])
     assert again["b"][2] == 0
+
+
+# ---- cache salts -----------------------------------------------------------------------------
+def test_requests_share_cached_pages_only_under_the_same_salt(engines):
+    """One 64-token prompt under no salt, salt "a" (given in a prompt dict) and salt "b" (given
+    to add_requests): each computes the whole prompt, while the cache holds the others' pages,
+    since a salt keys every page; each finds its own pages again, 7 of 8 (the last is always
+    computed), with the tokens of the uncached run. Two salts in one batch share nothing
+    either."""
+    engine = engines[True]
+    engine.reset_prefix_cache()
+    prompt = random_tokens(np.random.default_rng(10), 64)
+    expected, _ = run(engines[False], [("x", prompt, greedy(4))])
+    tokens = expected["x"][0]
+
+    def cached(request_id, prompt_form, salt=None) -> int:
+        before = engine.scheduler.prefix_cache_hits
+        result, _ = run(engine, [(request_id, prompt_form, greedy(4))], cache_salt=salt)
+        assert result[request_id][0] == tokens, f"{request_id}: the salt changed the tokens"
+        assert engine.scheduler.prefix_cache_hits - before == result[request_id][2]
+        return result[request_id][2]
+
+    assert cached("plain", prompt) == 0
+    assert cached("salt-a", {"prompt_token_ids": prompt, "cache_salt": "a"}) == 0, "salt a took unsalted pages"
+    assert cached("salt-b", prompt, salt="b") == 0, "salt b took pages of another salt"
+    assert engine.allocator.num_cached >= 3 * 8, "each salt published its own pages"
+    assert cached("salt-a-again", {"prompt_token_ids": prompt, "cache_salt": "a"}) == 56
+    assert cached("salt-b-again", {"prompt_token_ids": prompt}, salt="b") == 56
+    assert cached("plain-again", prompt) == 56
+    # In one batch: the second of two salts admitted finds nothing of the first's.
+    fresh = random_tokens(np.random.default_rng(11), 64)
+    together, _ = run(engine, [("c", {"prompt_token_ids": fresh, "cache_salt": "c"}, greedy(4)),
+                               ("d", {"prompt_token_ids": fresh, "cache_salt": "d"}, greedy(4))])
+    assert together["c"][2] == together["d"][2] == 0 and together["c"][:2] == together["d"][:2]
+
+
+@pytest.mark.parametrize("prompt,kwargs,param,match", [
+    ([5] * 20, dict(cache_salt=""), "cache_salt", "non-empty string"),
+    ([5] * 20, dict(cache_salt=7), "cache_salt", "non-empty string"),
+    ({"prompt_token_ids": [5] * 20, "cache_salt": ""}, {}, "cache_salt", "non-empty string"),
+    ({"prompt_token_ids": [5] * 20, "cache_salt": ["a"]}, {}, "cache_salt", "non-empty string"),
+    ({"prompt_token_ids": [5] * 20, "cache_salt": "\ud800"}, {}, "cache_salt", "Unicode"),
+    ({"prompt_token_ids": [5] * 20, "cache_salt": "a"}, dict(cache_salt="b"), "cache_salt", "given twice"),
+    ({"prompt": "hello", "multi_modal_data": {}}, {}, "prompt", "'multi_modal_data'"),
+    ({"prompt": "hello", "prompt_token_ids": [5]}, {}, "prompt", "exactly one"),
+    ({"cache_salt": "a"}, {}, "prompt", "exactly one"),
+    ({"prompt": [5, 6]}, {}, "prompt", "'prompt_token_ids'"),
+    ({"prompt_token_ids": "hello"}, {}, "prompt", "text goes in 'prompt'"),
+])
+def test_bad_salts_and_prompt_dicts_are_refused_naming_the_field(engines, prompt, kwargs, param, match):
+    engine = engines[True]
+    with pytest.raises(RequestError, match=match) as info:
+        engine.add_request("bad", prompt, greedy(2), **kwargs)
+    assert info.value.param == param
+    assert not engine.requests and not engine.has_unfinished_requests()

@@ -131,6 +131,33 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(live):
     assert after["orca_prefix_cache_pages"] >= 4
 
 
+def test_cache_salt_keeps_prefix_cache_pages_apart(live):
+    """vLLM's cache_salt: the same 40-token prompt under salts "a", "b" and none finds nothing
+    of the others' pages; under "a" again it finds its own 4 full pages, as usage says; a chat
+    request's salt works the same way."""
+    live.engine.reset_prefix_cache()
+    prompt = list(range(100, 140))
+    client = live.client()
+
+    def cached(**salt) -> int:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body=salt)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="b") == 0, "salt b found salt a's pages"
+    assert cached() == 0, "an unsalted request found salted pages"
+    assert cached(cache_salt="a") == 32 and cached() == 32 and cached(cache_salt="b") == 32
+    messages = [{"role": "user", "content": "Paris is the capital of France, and Berlin is the capital of " * 3}]
+
+    def chat_cached(salt: str) -> int:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                             extra_body={"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert chat_cached("x") == 0 and chat_cached("y") == 0
+    assert chat_cached("x") > 0
+
+
 def test_chat_completion_uses_the_chat_template(live):
     tokenizer = live.engine.tokenizer
     out = live.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
@@ -268,6 +295,10 @@ BAD_REQUESTS = [
     ("stream-options-without-stream", "/v1/completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("logit-bias-unsupported", "/v1/completions", completion(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    ("cache-salt-empty", "/v1/completions", completion(cache_salt=""), 400, "cache_salt"),
+    ("cache-salt-number", "/v1/completions", completion(cache_salt=5), 400, "cache_salt"),
+    ("chat-cache-salt-empty", "/v1/chat/completions", chat(cache_salt=""), 400, "cache_salt"),
+    ("chat-cache-salt-list", "/v1/chat/completions", chat(cache_salt=["a"]), 400, "cache_salt"),
     ("messages-missing", "/v1/chat/completions", without(chat(), "messages"), 400, "messages"),
     ("messages-empty", "/v1/chat/completions", chat(messages=[]), 400, "messages"),
     ("message-bad-role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400,

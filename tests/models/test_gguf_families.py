@@ -7,11 +7,12 @@ metadata keys `TextModel.set_gguf_parameters` writes (plus `LlamaModel`'s vocab 
 dimensions), and Q/K rows permuted (`LlamaModel.permute`) for the "llama" architecture only,
 which is also what Mistral is written as; Qwen2/Qwen3 (NEOX RoPE) are written unpermuted. The
 file is loaded with `load_model` and its parameter tree compared with the HF weights (exactly).
-Logits are compared with HF's within ATOL two ways: every F32 file's model runs a few ragged
+Logits are compared with HF's within ATOL three ways: every F32 file's model runs a few ragged
 prompts in one prefill with logits at every position (one compiled program per family, so the
-file stays quick on 2 cores), and the Q8_0 file runs through the engine
+file stays quick on 2 cores), the Q8_0 file runs through the engine
 (`drive_engine_against_hf`: chunked prefill, mixed steps, a late arrival), against HF holding
-the file's dequantized weights.
+the file's dequantized weights, and so does a file of Q4_1, Q4_0 and Q8_0 blocks with
+quantization="gguf", whose blocks (with Q4_1's nonzero offsets) are dequantized in the step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from orca_jax import quantization
 from orca_jax.models import config_from_hf, gguf_arch
 from orca_jax.models.gguf_tokenizer import build_tokenizer
 from orca_jax.models.llama import LlamaForCausalLM
@@ -58,6 +60,12 @@ FAMILIES = {
 }
 # Every F32 file, and the one Q8_0 file (which the engine runs).
 FILES = [(name, "F32") for name in FAMILIES] + [("qwen2", "Q8_0")]
+# The file run with quantization="gguf" (blocks kept, dequantized inside the step): qwen2 (its
+# embedding is also its head) with llama.cpp's three block types, each on two or more matrices.
+# Q4_1 blocks carry an offset (their minimum), so the embedding's and three layers' offsets are
+# nonzero; Q4_0 blocks on a 16-level grid keep one too (-8 steps), the rest become int8.
+BLOCK_TYPES = {"embed_tokens": "Q4_1", "q_proj": "Q4_1", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1",
+               "gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "Q4_1"}
 # One ragged prefill per family; 31 tokens reach past the Mistral window.
 PROMPT_LENGTHS = (5, 23, 31)
 
@@ -93,7 +101,7 @@ def inverse_permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_metadata(writer, config, arch: str, qtype: str) -> None:
+def _write_metadata(writer, config, arch: str, qtype) -> None:
     """The keys `TextModel.set_gguf_parameters` writes for these configs; `LlamaModel` adds the
     vocabulary size and RoPE dimensions. key_length only where the config names a head_dim
     (Qwen2's has none: hidden / heads)."""
@@ -109,7 +117,9 @@ def _write_metadata(writer, config, arch: str, qtype: str) -> None:
     if head_dim is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    # A file of mixed types, as llama.cpp's own (Q4_K_M, ...), is named after its main one.
+    main_type = qtype if isinstance(qtype, str) else max(qtype.values(), key=list(qtype.values()).count)
+    writer.add_file_type(gguf.LlamaFileType[{"F32": "ALL_F32"}.get(main_type, f"MOSTLY_{main_type}")])
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.head_dim)
@@ -124,11 +134,21 @@ def _write_tokenizer(writer, tokenizer: dict) -> None:
     writer.add_eos_token_id(tokenizer["eos"])
 
 
-def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str = "F32",
+def tensor_type(qtype: str | dict[str, str], name: str, w: np.ndarray) -> str:
+    """The GGML type a tensor of the HF model is written in: vectors (norms, biases) stay F32, as
+    in llama.cpp; matrices take `qtype`, or with a mapping the type of their module ("q_proj",
+    "embed_tokens", ...: llama.cpp's mixed files, e.g. Q4_K_M, keep some matrices finer)."""
+    if w.ndim != 2:
+        return "F32"
+    return qtype if isinstance(qtype, str) else qtype[name.split(".")[-2]]
+
+
+def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str | dict[str, str] = "F32",
                window: int | None = None) -> dict[str, np.ndarray]:
-    """Write `hf_model` as llama.cpp would for `arch`; `window` adds attention.sliding_window
-    (which the converter itself does not write). Returns the weights as the file holds them,
-    dequantized and back in HF names and layout."""
+    """Write `hf_model` as llama.cpp would for `arch`, its matrices in `qtype` (see
+    `tensor_type`); `window` adds attention.sliding_window (which the converter itself does
+    not write). Returns the weights as the file holds them, dequantized and back in HF names
+    and layout."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{config.model_type}")
@@ -148,10 +168,12 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str = "F
             w = permute_rope_rows(w, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        if qtype == "Q8_0" and w.ndim == 2:  # llama.cpp's q8_0: every matrix; norms, biases F32
-            quantized = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            w = gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0)
+        kind = tensor_type(qtype, name, w)
+        if kind != "F32":
+            ggml_type = gguf.GGMLQuantizationType[kind]
+            quantized = gguf.quants.quantize(w, ggml_type)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=ggml_type)
+            w = gguf.quants.dequantize(quantized, ggml_type)
         else:
             writer.add_tensor(gguf_name, w)
         stored[name] = inverse_permute_rope_rows(w, heads) if permuted else w
@@ -315,6 +337,28 @@ def q8_engine_result(hf_dirs, gguf_files, engine_parity, make_logits_engine):
     return engine, stats
 
 
+@pytest.fixture(scope="module")
+def block_file(hf_dirs, qwen_tokenizer, tmp_path_factory):
+    """The qwen2 model written in BLOCK_TYPES: (path, the weights it holds in HF layout)."""
+    path = tmp_path_factory.mktemp("gguf-blocks") / "qwen2-blocks.gguf"
+    stored = write_gguf(path, _hf_model(hf_dirs["qwen2"]), "qwen2", qwen_style_tokenizer_metadata(qwen_tokenizer),
+                        BLOCK_TYPES)
+    return path, stored
+
+
+def as_gguf_quantization_holds_them(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The file's weights as quantization="gguf" keeps them: Q8_0 and Q4_1 blocks exactly; a Q4_0
+    block off a 16-level grid re-fitted as int8 (scale amax / 127, within half a step of the
+    file's: tests/test_quantization.py), which numpy's dequantization gives back here."""
+    held = {}
+    for name, w in stored.items():
+        if tensor_type(BLOCK_TYPES, name, w) == "Q4_0":  # HF [out, in]: blocks along in
+            q = quantization.quantize_kernel(w.T, num_lead=0, num_contract=1, method="gguf")
+            w = quantization.dequantize_kernel_np(q, num_lead=0).T
+        held[name] = w
+    return held
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +428,41 @@ def test_q8_0_file_through_the_engine_matches_its_dequantized_weights(q8_engine_
           f"{stats['steps']} steps ({stats['mixed_steps']} mixed)")
     assert stats["max_diff"] <= ATOL, f"max abs logit difference {stats['max_diff']:.3e} > {ATOL}"
     assert engine.model_config.model_type == "qwen2" and type(engine.runner.model) is LlamaForCausalLM
+
+
+def test_q4_1_q4_0_and_q8_0_blocks_run_as_the_files_weights(hf_dirs, block_file, engine_parity, make_logits_engine):
+    """quantization="gguf" on a file of Q4_1, Q4_0 and Q8_0 blocks: the step dequantizes each
+    block (scale, and the offset of Q4_1 blocks) inside the program, in the layers
+    (QuantizedKernel) and in the tied embedding, looked up and as the head (QuantizedTable).
+    Through the engine, logits equal HF's holding the file's dequantized weights (Q4_0's int8
+    re-fit aside, see as_gguf_quantization_holds_them), within the F32 bound; the offsets the
+    step reads are really nonzero, so dropping one is seen."""
+    path, stored = block_file
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types == {"F32", "Q4_1", "Q4_0", "Q8_0"}
+    engine = make_logits_engine(
+        model=str(path), quantization="gguf", warmup=False, page_size=8, max_num_batched_tokens=16,
+        min_token_bucket=16, max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
+        model_cache_dir=None,
+    )
+    params = engine.runner.params["params"]
+    layer = params["layers"]
+    zeros = {"embed": params["embed_qzero"], **{name: layer[block][name]["qzero"] for block, names in
+                                                (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                                 ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}}
+    nonzero = {name: float(np.mean(np.asarray(z, np.float32) != 0)) for name, z in zeros.items()}
+    assert engine.model_config.quantization == "gguf" and engine.model_config.tie_word_embeddings
+    assert "lm_head" not in params, "the head is the embedding table"
+    for name in ("embed", "q_proj", "o_proj", "down_proj"):  # Q4_1: an offset per block
+        assert nonzero[name] > 0.95, nonzero
+    assert nonzero["v_proj"] == nonzero["up_proj"] == 0, nonzero  # Q8_0: symmetric
+    assert int(np.asarray(params["embed"]).min()) >= 0 and int(np.asarray(params["embed"]).max()) <= 15
+
+    stats = engine_parity(engine, hf_holding(hf_dirs["qwen2"], as_gguf_quantization_holds_them(stored)),
+                          np.random.default_rng(8))
+    print(f"qwen2 Q4_1/Q4_0/Q8_0 blocks: max |logit diff| = {stats['max_diff']:.3e} over "
+          f"{stats['compared_rows']} rows, {stats['steps']} steps ({stats['mixed_steps']} mixed)")
+    assert stats["max_diff"] <= ATOL, f"max abs logit difference {stats['max_diff']:.3e} > {ATOL}"
 
 
 def test_q8_0_file_holds_quantized_weights(hf_dirs, gguf_files):

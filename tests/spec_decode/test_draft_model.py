@@ -125,3 +125,32 @@ def test_a_target_that_took_its_first_draft_without_verifying_still_gets_a_propo
     target.status = SequenceStatus.FINISHED
     proposer.release_finished()
     assert not proposer.shadows and proposer.allocator.num_free == proposer.allocator.num_usable
+
+
+# Seeded requests whose sampling is truncated to 2-3 tokens, so that a greedy draft equals the
+# sampled token about half the time (accepted) and differs otherwise (rejected).
+SEEDED = [
+    ("top-p", [5, 17, 33, 5, 17, 99], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=2, seed=1234,
+                                                     ignore_eos=True)),
+    ("top-k-long", list(range(3, 80)), SamplingParams(max_tokens=20, temperature=1.0, top_k=2, seed=7,
+                                                      ignore_eos=True)),
+    ("n2", [7, 8, 9, 7, 8], SamplingParams(max_tokens=16, n=2, temperature=0.7, top_k=3, seed=21, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("name", ["self", "other"])
+def test_seeded_outputs_are_identical_to_no_speculation(engines, run, name):
+    """Coupled acceptance (spec_decode/rejection.py): every position draws the plain sampler's
+    token with the same seed and output index, so seeded requests give exactly the tokens of
+    the engine without speculation, whichever drafts were accepted. With the target as its
+    own draft about half are (a rejected draft is a sampled token other than the argmax);
+    the other model's drafts are mostly rejected."""
+    engine = engines[name]
+    drafted, accepted = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    assert run(engine, SEEDED) == run(engines["off"], SEEDED)
+    drafted = engine.scheduler.num_draft_tokens - drafted
+    accepted = engine.scheduler.num_accepted_tokens - accepted
+    assert drafted > 0 and accepted < drafted, (drafted, accepted)
+    if name == "self":
+        assert accepted > 0, "no draft accepted: the test proves nothing"
+    assert_all_returned(engine)

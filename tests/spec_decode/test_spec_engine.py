@@ -581,3 +581,72 @@ def test_a_seeded_request_gives_the_same_tokens_whatever_ran_before(engines, ove
     assert accepted_drafts(first_trace, "seeded") + accepted_drafts(second_trace, "seeded") > 0, \
         "the seeded request accepted no drafts in either run: the test proves nothing"
     assert first == second, "a seeded request's tokens changed with what the engine ran before"
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeded parity, and disable_by_batch_size
+# ---------------------------------------------------------------------------------------------
+def seeded_workload(engines) -> list:
+    """Seeded requests on looping prompts (top_k 2 or 3, so that drafts occur and some are
+    rejected): temperature with top-p, top-k alone, n = 2; a greedy loop beside them keeps the
+    default engine's proposing steps paying."""
+    loop = looping_prompt(engines)
+    return [
+        ("top-p", loop, SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, top_k=2, seed=1234, ignore_eos=True)),
+        ("top-k", loop, SamplingParams(max_tokens=48, temperature=1.0, top_k=2, seed=7, ignore_eos=True)),
+        ("n2", loop, SamplingParams(max_tokens=32, n=2, temperature=0.7, top_k=3, seed=21, ignore_eos=True)),
+        ("fox", FOX, SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, top_k=2, seed=5, ignore_eos=True)),
+        ("greedy-loop", loop, greedy(40, ignore_eos=True)),
+    ]
+
+
+def test_seeded_outputs_are_identical_with_ngram_speculation(engines):
+    """rejection.py's promise: each position draws the plain sampler's token (same seed, same
+    output index) and a draft is accepted iff it equals it, so seeded requests give the very
+    tokens they give without speculation, drafts accepted or not. The other seeded tests
+    compare speculation only with itself, which a draw keyed differently at drafted positions
+    (right in distribution, reproducible) would pass. One step at a time, every step
+    proposing: the default engine's backoffs leave sampled requests few verified drafts."""
+    spec = one_at_a_time(engines)
+    requests = seeded_workload(engines)
+    trace = []
+    got = run(spec, requests, trace=trace)
+    assert_same_outputs(got, run(engines(0), requests))
+    sampled = [(request_id, index) for request_id, _, params in requests if params.temperature > 0
+               for index in range(params.n)]
+    verified = [step[key][1] for step in trace for key in sampled if step.get(key, (0, None))[1]]
+    drafted, accepted = sum(d for d, _ in verified), sum(a for _, a in verified)
+    assert accepted > 0, f"the seeded requests accepted no drafts ({drafted} verified): the test proves nothing"
+    assert accepted < drafted, "and had none rejected"
+
+
+def test_disable_by_batch_size_stops_proposals_above_it(engines, monkeypatch):
+    """vLLM's disable_by_batch_size=2: while more than two sequences run no step verifies a
+    draft (they decode as without speculation); once two remain, proposals resume and are
+    accepted. Four looping requests, two of them short; the same tokens as without speculation."""
+    spec = one_at_a_time(engines)
+    monkeypatch.setattr(spec.speculation, "config", dataclasses.replace(spec.speculation.config,
+                                                                        disable_by_batch_size=2))
+    loop = looping_prompt(engines)
+    requests = [(f"short-{i}", loop, greedy(12, ignore_eos=True)) for i in range(2)]
+    requests += [(f"long-{i}", loop, greedy(48, ignore_eos=True)) for i in range(2)]
+    steps = []  # per step: (sequences running before it was scheduled, decoding rows, drafts verified)
+    schedule = spec.scheduler.schedule
+
+    def recording_schedule():
+        running = len(spec.scheduler.running)
+        scheduled = schedule()
+        decoding = sum(start >= seq.num_prompt_tokens for seq, start in zip(scheduled.seqs, scheduled.starts))
+        steps.append((running, decoding, sum(len(d) for d in scheduled.drafts)))
+        return scheduled
+
+    monkeypatch.setattr(spec.scheduler, "schedule", recording_schedule)
+    counters = SpecCounters(spec)
+    got = run(spec, requests)
+    assert_same_outputs(got, run(engines(0), requests))
+    above = [(decoding, drafts) for running, decoding, drafts in steps if running > 2]
+    at_or_below = [(decoding, drafts) for running, decoding, drafts in steps if 0 < running <= 2]
+    assert all(drafts == 0 for _, drafts in above), f"drafts verified with more than 2 running: {steps}"
+    assert sum(decoding for decoding, _ in above) >= 20, f"few decodes ran above the limit: {steps}"
+    assert sum(drafts for _, drafts in at_or_below) > 0, f"no drafts once 2 or fewer ran: {steps}"
+    assert counters.accepted > 0
