@@ -4,7 +4,7 @@
     OUT_DIR/
       orca_jax_checkpoint.json   marker: format version, ModelConfig, dtype, where it came from
       params/                    the Flax parameter tree, saved by orbax (StandardCheckpointer)
-      tokenizer/                 the tokenizer, saved by transformers' save_pretrained
+      tokenizer/                 the tokenizer in HF's layout (its `save_pretrained`)
 
 `LLM(model=OUT_DIR)` recognises the marker (`orca_jax.models.loader.load_model`) and the runner
 restores the parameters straight into their target shardings: with tensor parallelism each
@@ -13,8 +13,9 @@ the model's own KV heads; a mesh that replicates them (see `parallel.kv_head_rep
 K/V projections whole and repeats them on device. A checkpoint converted at one tensor-parallel
 size restores at any other.
 
-The same format holds the model cache's entries (`orca_jax.model_cache`: converted GGUF files,
-saved uncompressed because restoring then takes half the time).
+The model cache's entries (`orca_jax.model_cache`: converted GGUF files) share the marker and
+the tokenizer layout (`write_marker`), but keep their weights as memory-mapped .npy files
+(`orca_jax.npy_tree`), which a warm start places without reading or copying them.
 """
 
 from __future__ import annotations
@@ -70,7 +71,13 @@ def save_checkpoint(out_dir: str | Path, params: dict, tokenizer, config: ModelC
         checkpointer.save((out_dir / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
     tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
     # The marker last: a directory without it was never finished and is not taken for one.
-    (out_dir / MARKER).write_text(json.dumps({
+    write_marker(out_dir, config, dtype, source, tensor_parallel_size=tensor_parallel_size, extra=extra)
+
+
+def write_marker(out_dir: Path, config: ModelConfig, dtype: str, source: str, *, tensor_parallel_size: int = 1,
+                 extra: dict | None = None) -> None:
+    """The marker file (`open_checkpoint` reads it back); `extra`: more fields."""
+    (Path(out_dir) / MARKER).write_text(json.dumps({
         **(extra or {}),
         "format_version": FORMAT_VERSION,
         "model_config": dataclasses.asdict(config),
@@ -234,9 +241,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def load_tokenizer(checkpoint: Checkpoint):
-    from transformers import AutoTokenizer
+    """orca_jax's own tokenizer class where it reads the saved one exactly, else AutoTokenizer."""
+    from orca_jax.models.tokenizer import load_tokenizer as load_tokenizer_dir
 
-    return AutoTokenizer.from_pretrained(str(checkpoint.path / TOKENIZER_DIR))
+    return load_tokenizer_dir(checkpoint.path / TOKENIZER_DIR)
 
 
 def model_config_from_dict(fields: dict[str, Any]) -> ModelConfig:

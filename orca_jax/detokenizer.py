@@ -18,6 +18,7 @@ every step), and the stop-string search and the stream deltas look only at the e
 from __future__ import annotations
 
 import functools
+import sys
 
 # Prompt tokens kept as left context, so the first generated token decodes with its spacing.
 _CONTEXT_TOKENS = 6
@@ -207,11 +208,17 @@ def _decode_many(tokenizer, id_lists: list[list[int]]) -> list[str]:
 
 def rust_decode_is_exact(tokenizer) -> bool:
     """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly the Rust tokenizer's
-    `decode`. In transformers 5 a fast tokenizer's decode is the Rust decode followed by an
-    optional `clean_up_tokenization` (string replacements such as " ." -> "."); so it is, for a
-    `TokenizersBackend` that overrides neither `decode` nor `_decode` and does not clean up.
-    Anything else (a slow tokenizer, a subclass with its own decoding, clean-up on) is decoded
-    through `tokenizer.decode`."""
+    `decode`. orca_jax's own tokenizer (`models.tokenizer.Tokenizer`) says so itself
+    (`decodes_in_rust`), without transformers being imported. In transformers 5 a fast
+    tokenizer's decode is the Rust decode followed by an optional `clean_up_tokenization`
+    (string replacements such as " ." -> "."); so it is, for a `TokenizersBackend` that
+    overrides neither `decode` nor `_decode` and does not clean up. Anything else (a slow
+    tokenizer, a subclass with its own decoding, clean-up on) is decoded through
+    `tokenizer.decode`."""
+    if getattr(type(tokenizer), "decodes_in_rust", False):
+        return True
+    if "transformers" not in sys.modules:  # then no transformers tokenizer exists in this process
+        return False
     classes = _transformers_decode_classes()
     if classes is None:
         return False

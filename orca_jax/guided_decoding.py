@@ -21,6 +21,7 @@ compiled program serves every mix of constrained and free rows.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -45,7 +46,6 @@ def bitmask_words(vocab_size: int) -> int:
 def _llguidance():
     """Imported on first use: an engine that never constrains a request never loads it."""
     import llguidance
-    import llguidance.hf
     import llguidance.numpy
     return llguidance
 
@@ -175,8 +175,8 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary (built once, ~1 s for 49k tokens)."""
         with self._tokenizer_lock:
             if self._llg_tokenizer is None:
-                self._llg_tokenizer = _llguidance().hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)), eos_token=self._eos)
+                self._llg_tokenizer = llg_tokenizer_of(self._hf_tokenizer, max(self.vocab_size, len(self._hf_tokenizer)),
+                                                       self._eos)
             return self._llg_tokenizer
 
     def start(self, state: GuidedState, template) -> None:
@@ -186,6 +186,22 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def llg_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids: list[int]):
+    """llguidance's tokenizer over the Rust tokenizer's JSON, as `llguidance.hf.from_tokenizer`
+    builds it (a copy without padding or truncation), but for any tokenizer that has a
+    `backend_tokenizer` (orca_jax's own too): llguidance.hf imports transformers. A tokenizer
+    without one (a slow transformers tokenizer) goes through llguidance.hf, which refuses it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos_token_ids)
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return _llguidance().LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos_token_ids)
 
 
 def fill_token_bitmask(rows: list[tuple[int, GuidedState]], num_rows: int, vocab_size: int) -> np.ndarray:

@@ -3,8 +3,11 @@ dequantizes the file again.
 
     CACHE_DIR/
       file_hashes.json             (absolute path, size, mtime_ns) -> sha256 of a GGUF file
-      <sha256[:32]>-<dtype>/       an orca_jax checkpoint (`orca_jax.checkpoint`): the weights
-                                   converted and cast to dtype, the tokenizer, the marker
+      <sha256[:32]>-<dtype>/       laid out as an orca_jax checkpoint (`orca_jax.checkpoint`), but
+        orca_jax_checkpoint.json   the marker (ModelConfig, dtype, the key below, "params_format")
+        params/                    the weights converted and cast to dtype, one .npy file per leaf
+                                   (`orca_jax.npy_tree`), memory-mapped when restored
+        tokenizer/                 the tokenizer (`models.tokenizer.Tokenizer.save_pretrained`)
       .tmp-<entry>-<pid>-<hex>/    an entry being written
 
 An entry is keyed by the file's content, not its path, so a moved or copied file still hits;
@@ -20,7 +23,11 @@ finished directory, so a run killed while saving never leaves a half entry that 
 would trust. The entry is written by a background thread while the engine places the weights
 and compiles; it reads the host arrays and never changes them (the runner replaces the leaves of
 the dicts it is given, so the thread keeps its own dicts). Several processes (multi-host) would
-all write through orbax's collective save, so the cache is off then.
+all write the same entry, so the cache is off then.
+
+Why not orbax, as `orca-jax convert` writes: restoring an uncompressed orbax entry read and
+copied the 514 MB of the default model's weights and imported orbax, 1.3-1.7 s of a warm start;
+mapping the .npy files and placing them without a copy takes ~0.01 s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,14 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import checkpoint
+from orca_jax import checkpoint, npy_tree, parallel, quantization
 from orca_jax.checkpoint import Checkpoint, CheckpointError
+from orca_jax.models.tokenizer import Tokenizer  # the class the entry's tokenizer was saved from
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "file_hashes.json"
 TEMP_PREFIX = ".tmp-"
-_LIBRARIES = ("gguf", "tokenizers", "transformers")  # their versions shape the converted result
+_LIBRARIES = ("gguf", "tokenizers")  # their versions shape the converted result
 _pending_saves: list[threading.Thread] = []
 
 
@@ -115,45 +123,80 @@ def converter_fingerprint() -> str:
 
 def fingerprint_sources() -> list[Path]:
     """The model package (GGUF reading and its metadata mapping, tokenizer building, each
-    family's config parser and weight converter, all in orca_jax/models/*.py), and the config
+    family's config parser and weight converter, all in orca_jax/models/*.py), the config
     and checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added
-    later would otherwise silently take its default)."""
+    later would otherwise silently take its default), and the entry's own format (this module,
+    npy_tree.py)."""
     package = Path(checkpoint.__file__).parent
-    return sorted([*(package / "models").glob("*.py"), package / "config.py", package / "checkpoint.py"])
+    return sorted([*(package / "models").glob("*.py"), package / "config.py", package / "checkpoint.py",
+                   package / "npy_tree.py", package / "model_cache.py"])
 
 
 @dataclasses.dataclass
 class CachedCheckpoint(Checkpoint):
-    """A cache entry handed to the runner like a converted checkpoint. If its parameters cannot
-    be restored (the marker was fine but the arrays are damaged), it converts the GGUF file again
-    instead of failing, and records the restore time in the model's timings."""
+    """A cache entry handed to the runner like a converted checkpoint. Its arrays are memory maps
+    of the entry's .npy files (`orca_jax.npy_tree`), not read by orbax: on one CPU device the
+    weights are placed without a copy. If they cannot be mapped (the marker was fine but the
+    arrays are damaged), it converts the GGUF file again instead of failing, and records the
+    restore time in the model's timings."""
 
     rebuild: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
     timings: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def restore_host(self, dtype=None) -> dict:
+        """The parameters as numpy arrays in `dtype` (quantized leaves as saved): memory maps
+        where the dtype is the saved one, so nothing is read yet; converted copies otherwise."""
+        dtype = jnp.dtype(dtype or self.dtype)
+        try:
+            tree = npy_tree.load_tree(self.path / checkpoint.PARAMS_DIR)
+        except ValueError as exc:
+            raise CheckpointError(f"model cache entry {self.path}: {exc}") from exc
+        return parallel.map_with_path(
+            lambda name, leaf: np.asarray(leaf, quantization.stored_dtype(name, leaf.dtype, dtype)), tree)
 
     def restore(self, dtype=None, mesh=None, kv_head_repeats: int = 1) -> dict:
         start = time.perf_counter()
         dtype = jnp.dtype(dtype or self.dtype)
         try:
-            if mesh is None:
-                # Through the host, so the arrays are placed exactly as converted ones are
-                # (uncommitted): arrays restored onto a device are committed, which changes the
-                # step's HLO, and a start from the cache would then miss every program that the
-                # converting start put in the persistent compilation cache. Costs ~0.2 s.
-                params = checkpoint.place_host_params(self.restore_host(dtype), dtype)
-            else:
-                params = super().restore(dtype, mesh, kv_head_repeats)
+            host = self.restore_host(dtype)
         except CheckpointError as exc:
-            if self.rebuild is None:
-                raise
-            logger.warning("model cache entry %s cannot be restored (%s); converting the GGUF file again",
-                           self.path, exc)
-            _remove_tree(self.path)
-            loaded = self.rebuild()
-            self.timings.update(loaded.timings)
-            params = checkpoint.place_host_params(loaded.params, dtype, mesh, kv_head_repeats, config=loaded.config)
+            host = self._convert_again(exc)
+        if mesh is None:
+            # device_put, not jnp.asarray: a mapped leaf becomes a device array without a copy
+            # (an .npy file's data is 64-byte aligned), and uncommitted, as converted weights
+            # are placed, so the step's HLO and its persistent-cache entries are the same.
+            params = jax.tree.map(jax.device_put, host)
+        else:
+            params = checkpoint.place_host_params(host, dtype, mesh, kv_head_repeats, config=self.config)
         self.timings["cache_restore_s"] = time.perf_counter() - start
         return params
+
+    def restore_stages(self, dtype, mesh, stage_meshes, holders: dict[str, list[int]]) -> list[dict]:
+        """Pipeline stages (see `Checkpoint.restore_stages`): each stage's slice of the layers
+        and the other weights it holds, from the mapped arrays, placed on its row of the mesh."""
+        dtype = jnp.dtype(dtype or self.dtype)
+        try:
+            host = self.restore_host(dtype)["params"]
+        except CheckpointError as exc:
+            host = self._convert_again(exc)["params"]
+        per_stage = self.config.num_layers // len(stage_meshes)
+        stages = []
+        for s, row in enumerate(stage_meshes):
+            layers = jax.tree.map(lambda leaf, s=s: leaf[s * per_stage:(s + 1) * per_stage], host["layers"])
+            held = {key: value for key, value in host.items() if key != "layers" and s in holders.get(key, ())}
+            stages.append(checkpoint.place_host_params({"params": {"layers": layers, **held}}, dtype, row,
+                                                       config=self.config))
+        return stages
+
+    def _convert_again(self, error: CheckpointError) -> dict:
+        """The host parameters of a fresh conversion, when this entry cannot be used."""
+        if self.rebuild is None:
+            raise error
+        logger.warning("model cache entry %s cannot be restored (%s); converting the GGUF file again", self.path, error)
+        _remove_tree(self.path)
+        loaded = self.rebuild()
+        self.timings.update(loaded.timings)
+        return loaded.params
 
 
 @dataclasses.dataclass
@@ -216,7 +259,7 @@ class ModelCache:
                 return None
             timings["cache_restore_open_s"] = time.perf_counter() - start
             start = time.perf_counter()
-            tokenizer = _load_tokenizer(entry, opened.marker.get("tokenizer", {}))
+            tokenizer = Tokenizer.from_pretrained(entry / checkpoint.TOKENIZER_DIR)
             timings["tokenizer_s"] = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - any damage means: convert again
             logger.warning("model cache entry %s is unreadable (%s: %s); rebuilding it", entry, type(exc).__name__, exc)
@@ -247,18 +290,16 @@ class ModelCache:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_abandoned_temps()
             target = jnp.dtype(dtype)
-            host = jax.tree.map(lambda x: np.asarray(x, target), params)  # no copy when already in dtype
+            host = parallel.map_with_path(  # no copy when already in dtype
+                lambda name, x: np.asarray(x, quantization.stored_dtype(name, np.asarray(x).dtype, target)), params)
             del params
-            checkpoint.save_checkpoint(
-                temp, host, tokenizer, config, dtype, source, compress=False,
-                extra={
-                    "cache": {"gguf_sha256": digest, "converter": converter_fingerprint()},
-                    # save_pretrained does not keep these; the post-processor depends on them.
-                    "tokenizer": {"add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
-                                  "add_eos_token": bool(getattr(tokenizer, "add_eos_token", False))},
-                },
-            )
+            temp.mkdir(parents=True)
+            npy_tree.save_tree(temp / checkpoint.PARAMS_DIR, host)
             del host
+            tokenizer.save_pretrained(temp / checkpoint.TOKENIZER_DIR)
+            # The marker last, as in an orbax checkpoint (`checkpoint.open_checkpoint` reads it).
+            checkpoint.write_marker(temp, config, dtype, source, extra={
+                "cache": {"gguf_sha256": digest, "converter": converter_fingerprint()}, "params_format": "npy"})
             self._publish(temp, entry)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written only costs time
             logger.warning("model cache: could not save %s (%s: %s); the next start converts the file again",
@@ -292,18 +333,6 @@ class ModelCache:
                 continue
             if pid != os.getpid() and not _process_alive(pid):
                 _remove_tree(temp)
-
-
-def _load_tokenizer(entry: Path, flags: dict):
-    # The class it was saved from, not AutoTokenizer: AutoTokenizer imports model configuration
-    # code, which imports torch whenever torch is installed.
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(
-        str(entry / checkpoint.TOKENIZER_DIR),
-        add_bos_token=bool(flags.get("add_bos_token", False)),
-        add_eos_token=bool(flags.get("add_eos_token", False)),
-    )
 
 
 def _process_alive(pid: int) -> bool:

@@ -35,9 +35,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orca_jax import checkpoint, parallel
+from orca_jax import checkpoint, parallel, step_export
 from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
+from orca_jax.compilation_cache import active_cache_dir
 from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
@@ -158,8 +159,12 @@ class ModelRunner:
         step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size,
                                  logits_rows)
         donated = ("kv_cache", "state")
+        self._exports = None  # the step's serialized exports (step_export.py): one device, one process
         if mesh is None:
             self._step = jax.jit(step, donate_argnames=donated)
+            if channel is None and jax.process_count() == 1:
+                self._exports = step_export.exports_for(
+                    active_cache_dir(), self._program_key(attention_impl, keep_logits), donate_argnums=(1, 2))
         else:
             replicated = parallel.replicated(mesh)
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
@@ -178,6 +183,14 @@ class ModelRunner:
         # row sends it no bitmask (S x V/32 words, 196 KB at S = 32 and V = 49152).
         self._free_bitmasks: dict[int, jax.Array] = {}
         self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
+
+    def _program_key(self, attention_impl: str, keep_logits: bool) -> dict:
+        """What fixes the step besides its arguments' shapes (step_export.program_key adds those,
+        the sources and the libraries): the partial's static parts, the model and engine config."""
+        model = type(self.model)
+        return {"model": f"{model.__module__}.{model.__qualname__}", "model_config": repr(self.model_config),
+                "engine_config": repr(self.config), "attention_impl": attention_impl, "dtype": self.dtype.name,
+                "keep_logits": keep_logits}
 
     def _place_params(self, params, model_config: ModelConfig, tp: int):
         repeats = parallel.kv_head_repeats(model_config, tp) if self.mesh is not None else 1
@@ -237,7 +250,10 @@ class ModelRunner:
     def _lower(self, bucket: int) -> jax.stages.Lowered:
         if bucket not in self.config.token_buckets:
             raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
-        return self._step.lower(self.params, self.kv_cache, self.state, empty_step_inputs(self.config, bucket))
+        args = (self.params, self.kv_cache, self.state, empty_step_inputs(self.config, bucket))
+        if self._exports is not None:  # read back (no trace) or exported now, then lowered the same way
+            return self._exports.lower(self._step, args)
+        return self._step.lower(*args)
 
     def _program(self, inputs: StepInputs) -> jax.stages.Compiled:
         bucket = inputs.num_tokens

@@ -152,3 +152,37 @@ def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
         server.ServerSettings("m", enable_auto_tool_choice=True)
     with pytest.raises(SystemExit):  # an unknown parser is refused by argparse, listing the known ones
         cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+# ---- generate's own defaults (start-up: docs/benchmarks.md) ----------------------------------
+@pytest.mark.parametrize("argv,seqs,overlapped", [
+    ([], 1, False),
+    (["--n", "3"], 3, False),
+    (["--n", "40"], EngineConfig.max_num_seqs, False),  # never more rows than the engine's default
+    (["--max-num-seqs", "8", "--async-scheduling"], 8, True),  # a flag wins
+    (["--config", "smollm2-cpu"], None, None),  # so does a preset's setting, where it has one
+])
+def test_generate_sizes_its_rows_to_its_samples_and_runs_one_step_at_a_time(monkeypatch, argv, seqs, overlapped):
+    from orca_jax import engine as engine_module
+    from orca_jax.presets import load_preset
+
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(config, **kwargs):
+        built["config"] = config
+        raise Stop
+
+    monkeypatch.setattr(engine_module, "LLMEngine", capture)
+    with pytest.raises(Stop):
+        cli.cmd_generate(cli.build_parser().parse_args(["generate", "hi", *argv]))
+    config = built["config"]
+    if seqs is None:  # the preset's own values, else generate's
+        preset = load_preset("smollm2-cpu")["engine"]
+        assert config.max_num_seqs == preset.get("max_num_seqs", 1)
+        assert config.async_scheduling == preset.get("async_scheduling", False)
+    else:
+        assert (config.max_num_seqs, config.async_scheduling) == (seqs, overlapped)
+    assert _config("serve").max_num_seqs == EngineConfig.max_num_seqs, "serve keeps the engine's defaults"

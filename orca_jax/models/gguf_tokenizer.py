@@ -5,8 +5,8 @@ or scores, special token ids and the chat template as `tokenizer.*` metadata. tr
 read those too (`AutoTokenizer.from_pretrained(..., gguf_file=...)`), but its GGUF reader
 imports torch, which is a test-only dependency here, and it parses the whole file a second time.
 This module builds the same kind of `tokenizers.Tokenizer` from the `gguf.GGUFReader` the
-weights were read with, and wraps it in a `transformers.PreTrainedTokenizerFast` (which does not
-import torch).
+weights were read with, and wraps it in orca_jax's own `models.tokenizer.Tokenizer` (what
+`transformers.PreTrainedTokenizerFast` would be over it, without importing transformers).
 
 Two vocabulary kinds (`tokenizer.ggml.model`) are supported:
   "gpt2"   byte-level BPE with merges (SmolLM, Llama 3, Qwen, StarCoder, ...). How text is split
@@ -20,6 +20,8 @@ Any other kind is refused with an error that names it.
 from __future__ import annotations
 
 from typing import Any
+
+from orca_jax.models.tokenizer import Tokenizer
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
@@ -52,8 +54,8 @@ _QWEN2_SPLIT = (
 _SPLIT_REGEXES = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
-def tokenizer_from_gguf(reader) -> Any:
-    """A `transformers.PreTrainedTokenizerFast` for the vocabulary in an opened GGUF file."""
+def tokenizer_from_gguf(reader) -> Tokenizer:
+    """The tokenizer of the vocabulary in an opened GGUF file."""
     return build_tokenizer(read_tokenizer_metadata(reader))
 
 
@@ -62,10 +64,8 @@ def read_tokenizer_metadata(reader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
 
 
-def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A `transformers.PreTrainedTokenizerFast` from decoded `tokenizer.*` metadata."""
-    from transformers import PreTrainedTokenizerFast
-
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer of decoded `tokenizer.*` metadata."""
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -84,17 +84,18 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     backend.add_tokens(_added_tokens(tokens, types, special=False))
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=_special_token(meta, tokens, "bos_token_id"),
-        eos_token=_special_token(meta, tokens, "eos_token_id"),
-        unk_token=_special_token(meta, tokens, "unknown_token_id"),
-        pad_token=_special_token(meta, tokens, "padding_token_id"),
-        # Passed explicitly, so that the post-processor is built to add (or not add) them.
+    return Tokenizer(
+        backend,
+        special_tokens={
+            "bos_token": _special_token(meta, tokens, "bos_token_id"),
+            "eos_token": _special_token(meta, tokens, "eos_token_id"),
+            "unk_token": _special_token(meta, tokens, "unknown_token_id"),
+            "pad_token": _special_token(meta, tokens, "padding_token_id"),
+        },
+        # Given explicitly, so that the post-processor is built to add (or not add) them.
         add_bos_token=add_bos,
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,  # decode gives back exactly the text of the tokens
     )
 
 
@@ -120,7 +121,8 @@ def _added_tokens(tokens: list[str], types: list[int], special: bool) -> list:
 
 # ---- byte-level BPE ("gpt2") -----------------------------------------------------------------
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | None, pre: str | None):
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models
 
     if merges is None:
         raise ValueError("byte-level BPE GGUF vocabulary without tokenizer.ggml.merges")
@@ -135,7 +137,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | Non
         vocab[token] = index
     model = models.BPE(vocab=vocab, merges=[split_merge(m) for m in merges], dropout=None,
                        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    tokenizer = Tokenizer(model)
+    tokenizer = RustTokenizer(model)
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
@@ -188,7 +190,8 @@ def byte_level_alphabet() -> set[str]:
 
 # ---- SentencePiece BPE ("llama") -------------------------------------------------------------
 def _sentencepiece_bpe(tokens: list[str], meta: dict):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {token: index for index, token in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges"):
@@ -200,7 +203,7 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict):
         merges = merges_from_scores(tokens, scores)
     unk = _special_token(meta, tokens, "unknown_token_id")
     model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
-    tokenizer = Tokenizer(model)
+    tokenizer = RustTokenizer(model)
     # SentencePiece marks spaces with U+2581 and (by default) adds one before the text.
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(

@@ -31,6 +31,7 @@ from orca_jax import checkpoint, model_cache
 from orca_jax.config import ModelConfig
 from orca_jax.models import architecture, config_from_hf, gguf_arch, quantize_params
 from orca_jax.models.moe_families import HF_MOE_PREFIX  # where each MoE family keeps its experts
+from orca_jax.models.tokenizer import load_tokenizer  # a tokenizer.json without transformers, where it can
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +158,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     config = dataclasses.replace(config, eos_token_ids=eos_ids)
     tensors = read_safetensors(path)
     params = hf_to_params(tensors, config)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return LoadedModel(config, params, tokenizer, str(path))
+    return LoadedModel(config, params, load_tokenizer(path), str(path))
 
 
 def _generation_eos_ids(path: Path) -> tuple[int, ...]:

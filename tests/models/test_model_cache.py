@@ -312,17 +312,14 @@ def test_a_damaged_tokenizer_is_rebuilt(tiny_gguf, tmp_path, parse_counter):
     assert len(parse_counter) == 2
 
 
-# orbax's failing restore leaves a callback for its closed event loop behind (harmless noise).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_arrays_found_at_restore_are_converted_again(tiny_gguf, tmp_path, parse_counter, caplog):
     """The marker reads fine, so the damage shows only when the runner restores: the entry then
     converts the file again instead of failing, and a fresh entry is written."""
     cache_dir = tmp_path / "cache"
     _, expected = _first_load(tiny_gguf, cache_dir)
     [entry] = _entries(cache_dir)
-    for data in (entry / checkpoint.PARAMS_DIR).rglob("*"):
-        if data.is_file() and data.parent.name == "d":  # the array chunks
-            data.write_bytes(b"\0" * 7)
+    for data in (entry / checkpoint.PARAMS_DIR).rglob("*.npy"):  # the arrays, truncated
+        data.write_bytes(data.read_bytes()[:-7])
     hit = load_model(tiny_gguf, cache_dir=cache_dir)
     assert isinstance(hit.params, model_cache.CachedCheckpoint) and len(parse_counter) == 1
     with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
@@ -366,14 +363,13 @@ def test_converter_fingerprint_follows_the_model_code():
 def test_a_failed_save_leaves_no_entry(tiny_gguf, tmp_path, monkeypatch, caplog):
     """A save that stops half-way (as a killed run would) publishes nothing a later run trusts."""
     cache_dir = tmp_path / "cache"
-    real = checkpoint.save_checkpoint
+    real = model_cache.npy_tree.save_tree
 
     def dies_after_the_params(out_dir, *args, **kwargs):
         real(out_dir, *args, **kwargs)
-        (Path(out_dir) / checkpoint.MARKER).unlink()
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", dies_after_the_params)
+    monkeypatch.setattr(model_cache.npy_tree, "save_tree", dies_after_the_params)
     with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
         _first_load(tiny_gguf, cache_dir)
     assert "could not save" in caplog.text and "disk full" in caplog.text
