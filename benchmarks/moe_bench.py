@@ -20,7 +20,10 @@ finished). Nothing here picks a platform: it runs on `jax.default_backend()`.
   the FLOPs, skipped past `--ragged-max-flops` / `--ragged-max-bytes` on CPU, the JSON says
   why), on GPU also "ragged_dot_triton" (the same call under jax's
   `jax_ragged_dot_use_gpu_pallas_triton_lowering`), and "dense": [M, K] @ [K, N], the same
-  2 M K N FLOPs on one weight. Reported: ms, GFLOP/s of the useful 2 M K N FLOPs, each impl's
+  2 M K N FLOPs on one weight; when asked, "blocked_pow2": the blocked loop under the block
+  rule it had before `grouped_mlp.block_rows_for` (`block_rows_pow2`: the power of two at or
+  above the mean group size, from 8 to 256), so both rules run by turns on the same rows.
+  Reported: ms, GFLOP/s of the useful 2 M K N FLOPs, each impl's
   rate over dense's, and the expert weight bytes the step must read (experts with a row x K x
   N) per second. Each impl's output is checked against a float32 numpy product of 64 sampled
   rows (max error over the largest reference value) before it is timed; that checked call is
@@ -66,7 +69,8 @@ import numpy as np
 
 PARTS = ("matmul", "step")
 PROJECTIONS = ("up", "down")
-IMPLS = ("dense", "blocked", "ragged_dot", "ragged_dot_triton")
+IMPLS = ("dense", "blocked", "ragged_dot", "ragged_dot_triton", "blocked_pow2")
+DEFAULT_IMPLS = IMPLS[:4]  # blocked_pow2 only when asked (the block rule's before/after)
 # jax's switches of ragged_dot's lowering, recorded (they decide what "ragged_dot" means on GPU).
 RAGGED_DOT_FLAGS = ("jax_ragged_dot_use_ragged_dot_instruction", "jax_ragged_dot_use_gpu_pallas_triton_lowering")
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
@@ -213,6 +217,26 @@ def relative_error(out, reference: np.ndarray, sample: np.ndarray) -> float:
     return float(np.max(np.abs(got - reference)) / max(float(np.max(np.abs(reference))), 1e-30))
 
 
+def block_rows_pow2(num_rows: int, num_groups: int) -> int:
+    """The block rule before the current `grouped_mlp.block_rows_for`: the power of two at or
+    above the mean group size, from 8 to 256."""
+    mean = max(1, -(-num_rows // num_groups))
+    return min(max(1 << (mean - 1).bit_length(), 8), 256)
+
+
+@contextlib.contextmanager
+def block_rule(rule):
+    """grouped_mlp's block rule replaced by `rule` while a program is traced."""
+    from orca_jax.kernels import grouped_mlp
+
+    saved = grouped_mlp.block_rows_for
+    grouped_mlp.block_rows_for = rule
+    try:
+        yield
+    finally:
+        grouped_mlp.block_rows_for = saved
+
+
 def compile_impl(impl: str, lhs, weight, group_sizes):
     """(compiled program of one impl: (lhs, rhs or the dense weight, group_sizes) -> [M, N],
     what its lowering holds). Compiled ahead of time, so that "ragged_dot_triton" is lowered
@@ -224,9 +248,10 @@ def compile_impl(impl: str, lhs, weight, group_sizes):
     if impl == "dense":
         fn = jax.jit(lambda lhs, weight, group_sizes: lhs @ weight)
     else:
-        inner = "ragged_dot" if impl.startswith("ragged_dot") else impl
+        inner = "ragged_dot" if impl.startswith("ragged_dot") else "blocked" if impl.startswith("blocked") else impl
         fn = jax.jit(lambda lhs, rhs, group_sizes: grouped_mlp.grouped_matmul(lhs, rhs, group_sizes, inner))
-    flag = jax_flag(TRITON_FLAG, True) if impl == "ragged_dot_triton" else contextlib.nullcontext()
+    flag = (jax_flag(TRITON_FLAG, True) if impl == "ragged_dot_triton" else block_rule(block_rows_pow2)
+            if impl == "blocked_pow2" else contextlib.nullcontext())
     with flag:
         lowered = fn.lower(lhs, weight, group_sizes)
         compiled = lowered.compile()
@@ -277,6 +302,8 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
            "expert_weight_bytes_read": used * K * N * dtype.itemsize, "dense_weight_bytes": K * N * dtype.itemsize,
            "blocked_layout": block_layout(group_sizes_host, grouped_mlp.block_rows_for(rows, shape.experts)),
            "impls": {}}
+    if "blocked_pow2" in args.impls:
+        row["blocked_pow2_layout"] = block_layout(group_sizes_host, block_rows_pow2(rows, shape.experts))
     fns, first_calls = {}, {}
     for impl in args.impls:
         reason = skip_reason(impl, backend, rows, K, N, shape.experts, dtype.itemsize, args)
@@ -316,8 +343,8 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
                 entry["share_of_read_bandwidth"] = entry["expert_weight_gb_per_s"] / bandwidth_gbs
             if "dense" in timings:
                 entry["rate_over_dense"] = timings["dense"]["ms"] / timing["ms"]
-        if impl == "blocked":  # its rate on the rows it computes, padding included
-            computed = row["blocked_layout"]["computed_rows"] / rows
+        if impl.startswith("blocked"):  # its rate on the rows it computes, padding included
+            computed = row[f"{impl}_layout"]["computed_rows"] / rows
             entry["computed_gflop_per_s"] = flops * computed / timing["ms"] / 1e6
     if "blocked" in timings and "ragged_dot" in timings:
         row["ragged_dot_over_blocked"] = timings["blocked"]["ms"] / timings["ragged_dot"]["ms"]
@@ -555,8 +582,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"expert shapes: {', '.join(SHAPES)} or D:F:E:k (comma-separated)")
     p.add_argument("--projections", type=_choices(PROJECTIONS), default=list(PROJECTIONS),
                    help="up: [M, D] x [E, D, F] (gate and up); down: [M, F] x [E, F, D]")
-    p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS),
-                   help="dense is the same-FLOPs reference; ragged_dot_triton runs on GPUs only")
+    p.add_argument("--impls", type=_choices(IMPLS), default=list(DEFAULT_IMPLS),
+                   help=f"dense is the same-FLOPs reference; ragged_dot_triton runs on GPUs only; blocked_pow2 is "
+                        f"the blocked loop under the previous block rule (default {','.join(DEFAULT_IMPLS)})")
     p.add_argument("--decode-tokens", type=_int_list, default=[8, 64], help="matmul part: tokens (rows = tokens x k)")
     p.add_argument("--prefill-tokens", type=_int_list, default=[256, 512])
     p.add_argument("--ragged-max-flops", type=float, default=1e11,

@@ -616,20 +616,22 @@ def cmd_quant(args) -> int:
 
     from orca_jax.bench.driver import BenchmarkError
     from orca_jax.bench.environment import command_from_args
-    from orca_jax.bench.quant import QuantSettings, format_report, run_quant
+    from orca_jax.bench.quant import QuantSettings, format_report, format_serve_report, run_quant, run_serve_only
 
     base = QuantSettings.quick() if args.quick else QuantSettings()
     given = {name: getattr(args, name) for name in (
         "configs", "batch_sizes", "prompt_len", "decode_tokens", "rounds", "agreement_tokens", "offline_requests",
         "offline_scale", "offline_rounds", "max_num_batched_tokens", "page_size", "max_model_len",
         "kv_cache_memory_bytes", "serve_configs", "serve_parallel", "settle_s") if getattr(args, name) is not None}
+    run, report = (run_serve_only, format_serve_report) if args.serve_only else (run_quant, format_report)
     try:
-        settings = dataclasses.replace(base, model=args.model, seed=args.seed, **given)
-        record = run_quant(settings, command_from_args("quant", args), progress=lambda line: print(line, flush=True))
-    except BenchmarkError as exc:  # a request failed or made the wrong number of tokens, a server did not start
+        settings = dataclasses.replace(base, model=args.model, seed=args.seed, serve_only=args.serve_only, **given)
+        record = run(settings, command_from_args("quant", args), progress=lambda line: print(line, flush=True))
+    except (BenchmarkError, ValueError) as exc:  # a request failed or made the wrong number of tokens, a server
+        # did not start, or the settings do not go together
         print(f"orca-jax bench quant: {exc}", file=sys.stderr)
         return 1
-    print(format_report(record))
+    print(report(record))
     write_json(record, args.out)
     return 0
 
@@ -677,6 +679,9 @@ def _add_quant_parser(sub) -> None:
                    help="start the servers at once (default: one after another; --quick: at once)")
     p.add_argument("--settle", dest="settle_s", type=float, default=None,
                    help=f"idle seconds after /health answers before reading a server's memory (default {d.settle_s:g})")
+    p.add_argument("--serve-only", action="store_true",
+                   help="only the idle servers of --serve-configs (no engine in this process; one after another "
+                        "unless --serve-parallel)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the offline trace and the engines")
     p.add_argument("--out", "--json", dest="out", default=f"{RESULTS_DIR}/quant_cpu.json",
                    help="output JSON ('' for none)")

@@ -46,7 +46,8 @@ Per configuration:
 Then the idle resident memory of `orca-jax serve` (a child process per configuration, default
 engine settings but for the flags of `serve_configs`): started with `--port 0`, ready when
 `/health` answers 200, then after `settle_s` VmRSS (and the peak, VmHWM) from /proc/PID/status,
-then SIGTERM.
+then SIGTERM. `serve_only` (`--serve-only`) measures only that, the servers one after another
+unless `serve_parallel`: no engine is built in the bench's own process.
 
 Targets (the issue's): int8 weight bytes <= 0.55x bfloat16's; an int8 KV pool >= 1.9x the tokens
 of bfloat16's for the same bytes; on CPU, int8 weights at least as fast as float32 at batch 1.
@@ -100,6 +101,7 @@ SERVE_CONFIGS: dict[str, tuple[str, ...]] = {
     "int8": ("--quantization", "int8"),
     "int8+kv_int8": ("--quantization", "int8", "--kv-cache-dtype", "int8"),
     "int8+kv_int8@float32_pages": ("--quantization", "int8", "--kv-cache-dtype", "int8"),
+    "kv_int8": ("--kv-cache-dtype", "int8"),
 }
 SAME_PAGES = "int8+kv_int8@float32_pages"
 DEFAULT_SERVE_CONFIGS = ("float32", "int8", "int8+kv_int8")
@@ -130,6 +132,7 @@ class QuantSettings:
     serve_parallel: bool = False  # start the servers at once (idle memory does not depend on it)
     serve_timeout_s: float = 900.0
     settle_s: float = 3.0  # idle seconds between /health answering and reading the memory
+    serve_only: bool = False  # only the idle servers (run_serve_only), no engine in this process
 
     def __post_init__(self):
         unknown = [c for c in self.configs if c not in CONFIGS]
@@ -407,6 +410,21 @@ def run_quant(s: QuantSettings, command: str = "", progress=print) -> dict[str, 
     return record
 
 
+def run_serve_only(s: QuantSettings, command: str = "", progress=print) -> dict[str, Any]:
+    """The idle `orca-jax serve` part alone (`serve_only`): no engine is built here, so the
+    servers' memory is read on a machine without the in-process engines' load."""
+    if not s.serve_configs:
+        raise ValueError("serve_only needs serve_configs")
+    started, started_at = time.perf_counter(), environment.now_utc()
+    load_start = load_average()
+    serve = measure_serve(s, progress)
+    return {"benchmark": "quant_serve", "command": command, "date": started_at,
+            "machine": {**environment.machine_info(), "cpu_flags": cpu_flags()},
+            "load_average": {"start": load_start, "end": load_average()},
+            "settings": dataclasses.asdict(s), "model": s.model or _default_model_name(),
+            "serve_idle": serve, "wall_s": time.perf_counter() - started}
+
+
 def measure_decode(engines, prompts, s: QuantSettings, progress) -> list[dict[str, Any]]:
     labels = list(engines)
     runs = []
@@ -676,18 +694,7 @@ def format_report(record: dict[str, Any]) -> str:
     for label, reason in record["skipped"].items():
         lines.append(f"skipped {label}: {reason.splitlines()[0]}")
     if record["serve_idle"]:
-        lines += ["", "| `orca-jax serve`, idle | flags | RSS GiB | x float32 | peak RSS GiB | KV pages (tokens) | "
-                      "KV MiB | ready s |", "|---|---|---|---|---|---|---|---|"]
-        for label, r in record["serve_idle"].items():
-            if "error" in r:
-                lines.append(f"| {label} | | FAILED: {r['error'].splitlines()[0]} | | | | | |")
-                continue
-            kv = r.get("kv") or {}
-            flags = " ".join(SERVE_CONFIGS[label]) + (" --num-pages N" if label == SAME_PAGES else "")
-            lines.append(f"| {label} | {flags or '(defaults)'} | {r['rss_bytes'] / 2**30:.2f} | "
-                         f"{_fmt(r.get('rss_ratio_to_float32'), 2)} | {r['peak_rss_bytes'] / 2**30:.2f} | "
-                         f"{kv.get('num_pages', '-')} ({kv.get('sequence_tokens', '-')}) | {kv.get('kv_cache_mib', '-')} | "
-                         f"{r['ready_s']:.0f} |")
+        lines += ["", *serve_table(record["serve_idle"])]
     lines.append("")
     t = record["targets"]
     names = {"weight_ratio_int8": f"int8 weight bytes <= {TARGET_WEIGHT_RATIO}x bfloat16",
@@ -703,6 +710,31 @@ def format_report(record: dict[str, Any]) -> str:
     lines.append(f"XLA compiles during the timed runs: {record['xla_compiles_during_runs']}; "
                  f"set-up {record['setup_s']:.0f} s, whole run {record['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def serve_table(serve_idle: dict[str, Any]) -> list[str]:
+    lines = ["| `orca-jax serve`, idle | flags | RSS GiB | x float32 | peak RSS GiB | KV pages (tokens) | "
+             "KV MiB | ready s |", "|---|---|---|---|---|---|---|---|"]
+    for label, r in serve_idle.items():
+        if "error" in r:
+            lines.append(f"| {label} | | FAILED: {r['error'].splitlines()[0]} | | | | | |")
+            continue
+        kv = r.get("kv") or {}
+        flags = " ".join(SERVE_CONFIGS[label]) + (" --num-pages N" if label == SAME_PAGES else "")
+        lines.append(f"| {label} | {flags or '(defaults)'} | {r['rss_bytes'] / 2**30:.2f} | "
+                     f"{_fmt(r.get('rss_ratio_to_float32'), 2)} | {r['peak_rss_bytes'] / 2**30:.2f} | "
+                     f"{kv.get('num_pages', '-')} ({kv.get('sequence_tokens', '-')}) | {kv.get('kv_cache_mib', '-')} | "
+                     f"{r['ready_s']:.0f} |")
+    return lines
+
+
+def format_serve_report(record: dict[str, Any]) -> str:
+    m = record["machine"]
+    return "\n".join([
+        f"idle `orca-jax serve`, {record['model']}: machine {m.get('cpu_model')}, {m.get('cpu_count')} cores, flags "
+        f"{' '.join(m.get('cpu_flags', [])) or '-'}; load average start {record['load_average']['start']}, end "
+        f"{record['load_average']['end']}", "", *serve_table(record["serve_idle"]), "",
+        f"whole run {record['wall_s']:.0f} s"])
 
 
 def _median(values) -> float | None:

@@ -173,3 +173,48 @@ def test_bench_quant_quick_on_a_tiny_gguf(tiny_q8_gguf, tmp_path, capsys):
     assert record["command"].startswith("orca-jax bench quant --model")
     printed = capsys.readouterr().out
     assert "| int8+kv_int8 |" in printed and "target: int8 KV pool >= 1.9x bfloat16's tokens: MET" in printed
+
+
+def test_serve_only_starts_the_servers_one_after_another_and_builds_no_engine(tmp_path, monkeypatch, capsys):
+    """`--serve-only`: the idle servers alone (the repeat of the idle-memory table), each server
+    with its own flags, the equal-pages one after float32 with float32's page count; no engine
+    in the bench's process. Servers faked: their start is what test_bench_quant_quick checks."""
+    from orca_jax.bench import quant
+
+    started, alive = [], []
+
+    class FakeServer:
+        def __init__(self, model, args):
+            self.command = ["python", "-m", "orca_jax.cli", "serve", "--port", "0", *args]
+            started.append(tuple(args))
+            alive.append(self)
+            pages = int(args[args.index("--num-pages") + 1]) if "--num-pages" in args else (
+                400 if "--kv-cache-dtype" in args else 100)
+            self.kv = {"num_pages": pages, "page_size": 16, "sequence_tokens": pages * 16 - 16, "kv_cache_mib": 1.0}
+            self.ready_line = "engine ready in 1.0 s"
+
+        def wait_ready(self, timeout_s):
+            assert alive == [self], "one server at a time"
+            return 1.0
+
+        def memory(self):
+            return {"rss_bytes": (2 << 30) if self.command[-1:] == ["0"] else (1 << 30), "peak_rss_bytes": 3 << 30}
+
+        def stop(self):
+            alive.remove(self)
+
+    monkeypatch.setattr(quant, "ServeProcess", FakeServer)
+    monkeypatch.setattr(quant, "build", lambda *a, **k: pytest.fail("serve-only builds no engine"))
+    out = tmp_path / "serve.json"
+    code = cli.main(["bench", "quant", "--serve-only", "--settle", "0", "--serve-configs",
+                     "float32,int8,kv_int8,int8+kv_int8@float32_pages", "--out", str(out)])
+    assert code == 0
+    assert started == [(), ("--quantization", "int8"), ("--kv-cache-dtype", "int8"),
+                       ("--quantization", "int8", "--kv-cache-dtype", "int8", "--num-pages", "100")]
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "quant_serve" and "--serve-only" in record["command"]
+    idle = record["serve_idle"]
+    assert list(idle) == ["float32", "int8", "kv_int8", "int8+kv_int8@float32_pages"]
+    assert idle["float32"]["rss_ratio_to_float32"] == 1.0 and idle["int8"]["rss_ratio_to_float32"] == 0.5
+    assert idle["kv_int8"]["kv"]["num_pages"] == 400 and idle["int8+kv_int8@float32_pages"]["kv"]["num_pages"] == 100
+    assert "| kv_int8 | --kv-cache-dtype int8 | 1.00 | 0.50 |" in capsys.readouterr().out

@@ -78,3 +78,28 @@ def test_kernel_bench_cpu_quick_run_writes_its_report(tmp_path, monkeypatch):
     assert [r["case"] for r in report["cases"]] == ["decode b=2 ctx=2048", "prefill 40"]
     assert all(r["cpu_ms"] > 0 and r["reference_ms"] > 0 for r in report["cases"])
     assert report["targets"]["decode_ctx2048_min_share_of_read"] > 0
+
+
+def test_kernel_bench_cpu_spec_cases_time_verification_rows(tmp_path, monkeypatch):
+    """`--cases spec`: verification rows of 1 + k query tokens over the same context as the
+    decode rows, and the mixed 40-token step; the issue-14 rows (and their target) left out."""
+    kernel_bench = load("kernel_bench")
+    cases = dict(kernel_bench.spec_cases(quick=False))
+    ctx = kernel_bench.SPEC_CONTEXT
+    assert cases[f"decode b=16 ctx={ctx}"] == [(1, ctx)] * 16
+    assert cases[f"verify q=6 b=16 ctx={ctx}"] == [(6, ctx)] * 16
+    assert sum(q for q, _ in cases[f"verify q=4 b=8 + decode b=8 ctx={ctx}"]) == 40
+    assert {f"decode b=1 ctx={ctx}", f"verify q=4 b=1 ctx={ctx}"} <= set(cases)
+    monkeypatch.setattr(kernel_bench, "CPU_POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(kernel_bench, "cpu_read_bandwidth_gbs", lambda: 10.0)
+    monkeypatch.setattr(kernel_bench, "SPEC_CONTEXT", 40)
+    out = tmp_path / "spec.json"
+    assert kernel_bench.main(["--cpu", "--quick", "--cases", "spec", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["case"] for r in report["cases"]] == ["decode b=16 ctx=40", "verify q=4 b=16 ctx=40",
+                                                    "verify q=4 b=8 + decode b=8 ctx=40"]
+    assert all(r["cpu_ms"] > 0 and r["reference_ms"] > 0 for r in report["cases"])
+    assert "targets" not in report and report["cases_sets"] == ["spec"]
+    assert report["command"].endswith("--cases spec --json " + str(out)) and report["machine"]["cpu_count"]
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--cpu", "--cases", "nope"])

@@ -155,3 +155,31 @@ def test_an_impl_too_slow_to_repeat_keeps_its_checked_call(bench, tmp_path):
     for row in rows:
         for impl in ("dense", "blocked", "ragged_dot"):
             assert row["impls"][impl]["first_call_only"] and row["impls"][impl]["runs"] == 1
+
+
+def test_blocked_pow2_runs_the_previous_block_rule_by_turns_with_the_current_one(bench, tmp_path, monkeypatch):
+    """`--impls ...,blocked_pow2`: the blocked loop traced under the previous rule (the power of
+    two at or above the mean group size), timed beside the current one on the same rows, and
+    grouped_mlp's own rule back in place afterwards."""
+    from orca_jax.kernels import grouped_mlp
+
+    # The rows of docs/benchmarks.md's rule table: (rows, experts) -> previous rule's block rows.
+    assert [bench.block_rows_pow2(m, e) for m, e in ((64, 64), (512, 64), (2048, 64), (4096, 64), (16, 8),
+                                                     (128, 8), (512, 8), (1024, 8), (1 << 20, 2))] == [
+        8, 8, 32, 64, 8, 16, 64, 128, 256]
+    rule, traced = bench.block_rows_pow2, []
+    monkeypatch.setattr(bench, "block_rows_pow2", lambda m, e: traced.append((m, e)) or rule(m, e))
+    out = tmp_path / "rule.json"
+    argv = ["--parts", "matmul", "--shapes", "64:32:8:2", "--projections", "up", "--decode-tokens", "4",
+            "--prefill-tokens", "128", "--impls", "dense,blocked,blocked_pow2", "--repeats", "2",
+            "--bandwidth-mib", "0", "--json", str(out)]
+    assert bench.main(argv) == 0
+    assert grouped_mlp.block_rows_for.__module__ == grouped_mlp.__name__
+    assert (256, 8) in traced, "the previous rule decided the traced program's blocks"
+    prefill = [r for r in json.loads(out.read_text())["rows"] if r["phase"] == "prefill"][0]
+    assert prefill["blocked_layout"]["block_rows"] == grouped_mlp.block_rows_for(256, 8) == 48
+    assert prefill["blocked_pow2_layout"]["block_rows"] == 32
+    for impl in ("blocked", "blocked_pow2"):
+        e = prefill["impls"][impl]
+        assert e["max_rel_error"] < 1e-5 and e["ms"] > 0 and e["computed_gflop_per_s"] > 0
+    assert "blocked_pow2" not in bench.parse_args([]).impls
