@@ -28,7 +28,8 @@ def isolated_cache_root(tmp_path_factory):
 
     from orca_jax.cache_dirs import CACHE_DIR_ENV
 
-    root = tmp_path_factory.mktemp("orca-jax-cache")
+    root = _run_directory(tmp_path_factory) / "orca-jax-cache"
+    root.mkdir(exist_ok=True)
     before = os.environ.get(CACHE_DIR_ENV)
     os.environ[CACHE_DIR_ENV] = str(root)
     yield root
@@ -36,6 +37,16 @@ def isolated_cache_root(tmp_path_factory):
         del os.environ[CACHE_DIR_ENV]
     else:
         os.environ[CACHE_DIR_ENV] = before
+
+
+def _run_directory(tmp_path_factory) -> Path:
+    """This run's temporary directory, the same for every pytest-xdist worker of the run (each
+    worker's own base directory sits inside it), so the workers share one cache: a program one
+    worker compiled, another loads."""
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def make_tokenizer(directory: Path) -> None:
@@ -162,15 +173,40 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# The real default model's engine in the end-to-end tests (test_default_model.py,
+# test_server_structured_default_model.py): two token buckets (32, 64), since a program of the
+# 30-layer model takes 15-20 s to compile on 2 cores; a 64-token budget still splits ~40-token chat
+# prompts into chunks beside decodes; a context that holds three tools' description and a reply.
+# One setting for both modules, so the second builds nothing the first compiled.
+DEFAULT_MODEL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, min_token_bucket=32, max_model_len=512,
+                            page_size=16, num_pages=264)
+
+
+@pytest.fixture(scope="session")
+def default_model_engine_settings() -> dict:
+    """DEFAULT_MODEL_ENGINE (test modules cannot import conftest)."""
+    return dict(DEFAULT_MODEL_ENGINE)
+
+
+# The tiny engine's settings (tiny_engine_factory), for tests that build it another way.
+TINY_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=64, max_model_len=256)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_llama_dir):
-    """Build LLMEngines on the tiny model with small buckets; compile-heavy, so reuse them."""
+    """Build LLMEngines on the tiny model; compile-heavy, so reuse them.
+
+    One token bucket unless the test asks for more (`min_token_bucket`): each bucket is a step
+    program that takes seconds to compile even for this model, and a test that does not look at
+    bucketing runs the same steps, padded to the one bucket. The defaults are the settings most
+    modules need, so that engines built alike in different modules share their programs (the
+    run's persistent compilation cache)."""
     from orca_jax.engine import LLMEngine
 
     def build(**overrides):
-        settings = dict(model=str(tiny_llama_dir), max_num_seqs=8, max_num_batched_tokens=32,
-                        page_size=8, num_pages=64, max_model_len=256)
+        settings = dict(model=str(tiny_llama_dir), **TINY_ENGINE)
         settings.update(overrides)
+        settings.setdefault("min_token_bucket", settings["max_num_batched_tokens"])
         return LLMEngine(**settings)
 
     return build

@@ -26,11 +26,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def llm():
-    # Two token buckets (32, 64): each compile of the 30-layer model costs seconds on CPU. The
-    # 64-token budget still splits the ~30-40-token chat prompts into chunks next to decodes.
-    return LLM(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=32, max_model_len=512,
-               page_size=16, num_pages=160)
+def llm(default_model_engine_settings):
+    return LLM(**default_model_engine_settings)
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +100,8 @@ def test_chat_answers_capital_of_france(llm):
 
 
 @pytest.fixture(scope="module")
-def ngram_llm():
-    return LLM(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=32, max_model_len=512,
-               page_size=16, num_pages=160, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+def ngram_llm(default_model_engine_settings):
+    return LLM(**default_model_engine_settings, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
 def test_ngram_speculation_gives_the_same_greedy_tokens(llm, ngram_llm):

@@ -22,8 +22,8 @@ PROMPT = "The quick brown fox"
 def engine(tiny_engine_factory):
     """One engine for the module (three token buckets: 8, 16, 32). The pool is small
     (23 usable pages of 8 tokens) so that batches of long prompts preempt."""
-    return tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=24,
-                               max_model_len=128)
+    return tiny_engine_factory(max_num_seqs=8, max_num_batched_tokens=32, min_token_bucket=8, page_size=8,
+                               num_pages=24, max_model_len=128)
 
 
 @pytest.fixture(autouse=True)
@@ -187,8 +187,8 @@ def test_request_level_policy_gives_the_same_tokens(engine, monkeypatch):
 # Zero compiles after warm-up
 # ---------------------------------------------------------------------------------------------
 def test_no_compiles_after_warmup(tiny_engine_factory):
-    eng = tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=16, page_size=8, num_pages=40,
-                              max_model_len=128)
+    eng = tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=8, page_size=8,
+                              num_pages=40, max_model_len=128)
     assert eng.config.token_buckets == (8, 16)
     compile_count()  # the listener is registered before the workload
     rng = np.random.default_rng(7)

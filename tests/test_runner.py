@@ -12,7 +12,7 @@ from orca_jax import SamplingParams
 from orca_jax import runner as runner_module
 from orca_jax.compile_guard import compile_counts, no_compiles
 
-SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64, max_model_len=128)
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=8, page_size=8, num_pages=64, max_model_len=128)
 
 
 def test_warmup_compiles_buckets_concurrently_each_once_then_nothing_while_serving(tiny_engine_factory,

@@ -296,8 +296,8 @@ def test_padded_rectangle_invariants(case, overlapped):
 @pytest.fixture(scope="module")
 def engine(tiny_engine_factory):
     """Buckets 8, 16, 32; a pool that holds four sequences at full length."""
-    return tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=33,
-                               max_model_len=64)
+    return tiny_engine_factory(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=8, page_size=8,
+                               num_pages=33, max_model_len=64)
 
 
 def run(engine, requests) -> dict[str, list[int]]:

@@ -111,11 +111,9 @@ TOOL_SCHEMAS = {t["function"]["name"]: closed_objects(t["function"]["parameters"
 
 
 @pytest.fixture(scope="module")
-def served(serve_in_thread, server_idle_waiter):
+def served(serve_in_thread, server_idle_waiter, default_model_engine_settings):
     """(openai client, wait_idle) of the default model served on 127.0.0.1."""
-    # Two token buckets (32, 64); a context that holds the three tools' description and a reply.
-    engine = LLMEngine(max_num_seqs=8, max_num_batched_tokens=64, min_token_bucket=32, max_model_len=512,
-                       page_size=16, num_pages=264)
+    engine = LLMEngine(**default_model_engine_settings)
     async_engine, app = build_app(engine, ServerSettings(MODEL))
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)

@@ -330,7 +330,7 @@ def q8_engine_result(hf_dirs, gguf_files, engine_parity, make_logits_engine):
     """The Q8_0 file through the engine, against HF holding the file's dequantized weights."""
     path, stored = gguf_files["qwen2", "Q8_0"]
     engine = make_logits_engine(
-        model=str(path), warmup=False, page_size=8, max_num_batched_tokens=16, max_num_seqs=4,
+        model=str(path), warmup=False, page_size=8, max_num_batched_tokens=16, min_token_bucket=16, max_num_seqs=4,
         num_pages=64, max_model_len=128, attention_impl="reference", model_cache_dir=None,
     )
     stats = engine_parity(engine, hf_holding(hf_dirs["qwen2"], stored), np.random.default_rng(7))

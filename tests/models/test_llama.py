@@ -99,7 +99,7 @@ def parity_results(tiny_llama_factory, tmp_path_factory, engine_parity, make_log
     for i, name in enumerate(PARITY_CONFIGS):
         directory = _model_dir(tiny_llama_factory, tmp_path_factory, name)
         engine = make_logits_engine(
-            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
+            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16, min_token_bucket=16,
             max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
         )
         results[name] = engine_parity(
@@ -147,8 +147,8 @@ def test_llama3_rope_config_is_applied(parity_results):
 def test_greedy_generation_matches_hf_generate(tiny_llama_dir, greedy_matches_hf):
     rng = np.random.default_rng(123)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 11, 20, 29, 6)]
-    llm = LLM(model=str(tiny_llama_dir), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
-              num_pages=64, max_model_len=128)
+    llm = LLM(model=str(tiny_llama_dir), max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16,
+              page_size=8, num_pages=64, max_model_len=128)
     greedy_matches_hf(llm, _hf_model(tiny_llama_dir), prompts, num_new=16)
     assert llm.engine.allocator.num_used == 0
 

@@ -87,7 +87,7 @@ def parity_results(tiny_hf_model_factory, engine_parity, make_logits_engine):
     for i, name in enumerate(FAMILIES):
         directory = _model_dir(tiny_hf_model_factory, name)
         engine = make_logits_engine(
-            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16,
+            model=str(directory), warmup=False, page_size=8, max_num_batched_tokens=16, min_token_bucket=16,
             max_num_seqs=4, num_pages=64, max_model_len=128, attention_impl="reference",
         )
         results[name] = engine_parity(engine, _hf_model(directory), np.random.default_rng(i))
@@ -137,7 +137,7 @@ def test_greedy_generation_matches_hf_generate(tiny_hf_model_factory, greedy_mat
     directory = _model_dir(tiny_hf_model_factory, name)
     rng = np.random.default_rng(123)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (3, 11, 20, 29)]
-    llm = LLM(model=str(directory), max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
+    llm = LLM(model=str(directory), max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8,
               num_pages=64, max_model_len=128)
     greedy_matches_hf(llm, _hf_model(directory), prompts, num_new=16)
 

@@ -47,6 +47,7 @@ def ngram(k: int) -> dict:
 # expensive part of these tests. The speculating engines keep every bucket (8, 16, 32), so that
 # steps of every size verify drafts and "no compiles after warm-up" covers them all.
 ONE_BUCKET = dict(min_token_bucket=32)
+EVERY_BUCKET = dict(min_token_bucket=8)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def engines(tiny_engine_factory):
     def get(k: int, **overrides):
         key = (k, tuple(sorted(overrides.items())))
         if key not in built:
-            settings = dict(SETTINGS, **(ONE_BUCKET if k == 0 else {}), **overrides)
+            settings = {**SETTINGS, **(ONE_BUCKET if k == 0 else EVERY_BUCKET), **overrides}
             if k:
                 settings["speculative_config"] = ngram(k)
             built[key] = tiny_engine_factory(**settings)

@@ -365,7 +365,10 @@ def simulate(config_kw: dict, k: int, reqs: list[Req], data) -> None:
         # The schedule.
         config = sched.config
         assert scheduled.num_tokens <= config.max_num_batched_tokens
-        assert scheduled.num_draft_tokens <= config.max_num_batched_tokens - len(running_before), \
+        # A sequence preempted for another's own token needs no budget this step; each one
+        # still running does.
+        still_running = [s for s in running_before if s.status is SequenceStatus.RUNNING]
+        assert scheduled.num_draft_tokens <= config.max_num_batched_tokens - len(still_running), \
             "drafts took budget a running sequence's next token needed"
         in_step = {id(s) for s in scheduled.seqs}
         for seq in decoding_before:
