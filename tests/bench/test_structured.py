@@ -66,7 +66,12 @@ def test_bench_structured_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert list(cell["by_variant"]) == ["0", "0.5", "1", "0 sync"]
     assert cell["by_variant"]["1"]["median_mask_fill_s"] > 0
     assert cell["masking_alone"]["apply_token_bitmask_s"] > 0
-    assert cell["accounted_cost_all_constrained"] > 0
+    # A difference of two timings, so noise can make it negative on a loaded machine: check
+    # that it is the timeline's sum, not its sign.
+    free, guided = cell["by_variant"]["0"]["decode_step_parts"], cell["by_variant"]["1"]["decode_step_parts"]
+    extra_idle = (guided["device_idle_s"] or 0.0) - (free["device_idle_s"] or 0.0)
+    assert cell["accounted_cost_all_constrained"] == pytest.approx(
+        (extra_idle + cell["masking_alone"]["apply_token_bitmask_s"]) / free["period_s"])
     compile_times = record["grammar_compile"]
     assert compile_times["tokenizer_wrap_s"] > 0 and len(compile_times["schemas"]) == 6
     assert all(c["compile_s"] > 0 and c["validate_s"] > 0 for c in compile_times["schemas"].values())
