@@ -28,7 +28,7 @@ DTYPES = ("float32", "bfloat16")
 # (orca_jax/kernels/kv_quant.py); "fp8" is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = (*DTYPES, *kv_quant.KV_CACHE_DTYPES, "fp8")
 _KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
-# Weight formats (orca_jax/quantization.py), by vLLM's `quantization` names.
+# Weight formats (orca_jax/kernels/quantization.py), by vLLM's `quantization` names.
 QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 # Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
 # writes per step, 8,192 tokens at the default page size.
@@ -73,7 +73,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
-    # How the weights are stored (a format of orca_jax.quantization: "int8", "fp8", "gguf");
+    # How the weights are stored (a format of orca_jax.kernels.quantization: "int8", "fp8", "gguf");
     # None: floats in the model dtype. Set by the engine (EngineConfig.quantization) or read
     # from a checkpoint's marker (already quantized); the model declares its tree from it.
     quantization: str | None = None
@@ -140,7 +140,7 @@ class EngineConfig:
     # and would convert the whole cache around every KV write and read. "int8" / "fp8_e4m3":
     # 8-bit values with a bfloat16 scale per token and head, about twice the tokens of bfloat16.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8"] = "auto"
-    # Weights quantized at load time (orca_jax/quantization.py): "int8" (per output channel,
+    # Weights quantized at load time (orca_jax/kernels/quantization.py): "int8" (per output channel,
     # W8A16), "fp8" (e4m3 where the device has fp8 units, else int8, said in the log), "gguf"
     # (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks kept). None: floats in `dtype`, or what an
     # already-quantized checkpoint holds.

@@ -25,7 +25,7 @@ def convert(model: str | None, out_dir: str | Path, dtype: str = "float32", tens
     """Load and convert `model` (HF directory, .gguf, hub id, None for the default) and save it
     as an orbax checkpoint in `out_dir`, sharded over `tensor_parallel_size` devices when > 1
     (so a model too large for one device never sits whole on one). `quantization` (a format of
-    orca_jax.quantization) saves the weights quantized; the checkpoint then restores them as
+    orca_jax.kernels.quantization) saves the weights quantized; the checkpoint then restores them as
     they are, without quantizing again. Returns timings in seconds."""
     if tensor_parallel_size < 1:
         raise CheckpointError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")

@@ -36,7 +36,7 @@ from orca_jax import multihost, parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
 from orca_jax.dtype_policy import resolve_model_dtype
-from orca_jax.quantization import resolve_method
+from orca_jax.kernels.quantization import resolve_method
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.guided_decoding import GrammarCompiler, GuidedState

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax import quantization
+from orca_jax.kernels import quantization
 from orca_jax.kernels import grouped_mlp
 from orca_jax.config import ModelConfig
 
@@ -76,7 +76,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("experts", None),
     ("sharded_experts", MODEL_AXIS),
     ("expert_mlp", None),
-    # A quantized weight's one group of per-channel scales (orca_jax.quantization); GGUF's
+    # A quantized weight's one group of per-channel scales (orca_jax.kernels.quantization); GGUF's
     # blocks take the name of the contraction axis they divide, and shard with it.
     ("quant_groups", None),
 )

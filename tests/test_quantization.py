@@ -1,4 +1,4 @@
-"""Quantized weights (orca_jax/quantization.py): each format's round trip within its bound, the
+"""Quantized weights (orca_jax/kernels/quantization.py): each format's round trip within its bound, the
 quantized product against a float64 reference, GGUF blocks kept exactly, the quantized tree as
 the model declares it, no float copy of the stacked weights in the step, and the engine and
 checkpoints running them."""
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax import models, parallel, quantization
+from orca_jax import models, parallel
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models.layers import Einsum
 
@@ -208,7 +209,7 @@ def test_gguf_format_needs_a_gguf_file(tiny_llama_dir):
 
 def test_fp8_falls_back_to_int8_where_the_device_has_no_fp8_units(caplog):
     cpu = jax.devices("cpu")[0]
-    with caplog.at_level("WARNING", logger="orca_jax.quantization"):
+    with caplog.at_level("WARNING", logger="orca_jax.kernels.quantization"):
         assert quantization.resolve_method("fp8", cpu) == "int8"
     assert "no fp8 matrix units" in caplog.text
     assert quantization.resolve_method("int8", cpu) == "int8"

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel, quantization
+from orca_jax import parallel
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gpt2, llama, moe_families

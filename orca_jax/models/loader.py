@@ -103,7 +103,7 @@ def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
                cache_dir: str | os.PathLike | None = None, quantization: str | None = None) -> LoadedModel:
     """Load `model` (see `resolve_model_path`). `dtype` is the dtype the weights will run in:
     it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off.
-    `quantization` (a format of orca_jax.quantization): the weights quantized at load time,
+    `quantization` (a format of orca_jax.kernels.quantization): the weights quantized at load time,
     unless the checkpoint already holds them so."""
     return quantize_loaded(_load_float_or_saved(model, dtype, cache_dir), quantization)
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_jax import quantization
+from orca_jax.kernels import quantization
 from orca_jax.models import config_from_hf, gguf_arch
 from orca_jax.models.gguf_tokenizer import build_tokenizer
 from orca_jax.models.llama import LlamaForCausalLM
