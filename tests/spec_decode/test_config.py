@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orca_jax.config import EngineConfig
-from orca_jax.spec_decode.config import SpeculativeConfig
+from orca_jax.config.speculative import SpeculativeConfig
 
 
 def test_a_dict_and_its_json_give_the_same_config():

@@ -4,7 +4,9 @@
 `config.json` itself (`orca_jax.models.config_from_hf`, which also checks the family and the
 activation against the registries there), GGUF metadata goes through the same parser
 (`orca_jax.models.loader.gguf_config`). `EngineConfig` holds the serving knobs, with vLLM's
-names, and derives the shape buckets that bound how many programs XLA compiles.
+names, and derives the shape buckets that bound how many programs XLA compiles;
+`speculative.py` beside it holds `SpeculativeConfig`. Every layer reads these, so the package
+sits at the bottom of orca_jax, above kernels only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Literal
 from orca_jax import kernels
 from orca_jax.kernels import kv_quant
 from orca_jax.cache_dirs import default_compilation_cache_dir, default_model_cache_dir
-from orca_jax.spec_decode.config import SpeculativeConfig
+from orca_jax.config.speculative import SpeculativeConfig
 
 # "request_padded": FasterTransformer as Orca measured it (same-phase rectangles, prompts padded to
 # the longest, finished slots computed until the batch ends); "request" keeps selective batching.
