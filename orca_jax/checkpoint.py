@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import abstract_variables, check_supported, logical_specs

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.checkpoint import CheckpointError, is_checkpoint, place_host_params, save_checkpoint
 from orca_jax.config import ModelConfig
 from orca_jax.models.loader import load_model

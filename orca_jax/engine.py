@@ -32,7 +32,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 import numpy as np
 
-from orca_jax import multihost, parallel
+from orca_jax import multihost
+from orca_jax.distributed import parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
 from orca_jax.dtype_policy import resolve_model_dtype

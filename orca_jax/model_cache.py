@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import checkpoint, npy_tree, parallel
+from orca_jax import checkpoint, npy_tree
+from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.checkpoint import Checkpoint, CheckpointError
 from orca_jax.models.tokenizer import Tokenizer  # the class the entry's tokenizer was saved from

@@ -3,7 +3,7 @@
 The devices form a two-axis mesh, stage x model (`make_pipeline_mesh`). Stage s holds a
 contiguous slice of the layers (`stage_layer_ranges`: the first L % P stages one layer more),
 their weights and their part of the KV cache, on its own row of the mesh, tensor-parallel
-over that row exactly as one whole model is over a 1-D mesh (orca_jax/parallel.py). Each
+over that row exactly as one whole model is over a 1-D mesh (orca_jax/distributed/parallel.py). Each
 stage is its own compiled program per token bucket:
 
     stage 0:      expand -> embed -> its layers                     -> activations [T, D]
@@ -62,7 +62,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.checkpoint import place_host_params

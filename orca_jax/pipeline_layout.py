@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 
 STAGE_AXIS = "stage"
 

@@ -35,7 +35,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orca_jax import checkpoint, parallel, step_export
+from orca_jax import checkpoint, step_export
+from orca_jax.distributed import parallel
 from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.compilation_cache import active_cache_dir
@@ -109,7 +110,7 @@ class PendingStep:
 class ModelRunner:
     """Owns the weights, the KV cache and the compiled step programs.
 
-    `mesh` (tensor parallelism, see `orca_jax.parallel`): weights, cache and batch carry
+    `mesh` (tensor parallelism, see `orca_jax.distributed.parallel`): weights, cache and batch carry
     NamedShardings and every program is jitted with them explicitly; None keeps the
     single-device path exactly as it is. `params` is the converted weights as numpy
     ({"params": ...}) or a restorable checkpoint (`orca_jax.checkpoint.Checkpoint`), which

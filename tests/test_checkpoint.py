@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from orca_jax import SamplingParams, checkpoint, parallel
+from orca_jax import SamplingParams, checkpoint
+from orca_jax.distributed import parallel
 from orca_jax.cli import main
 from orca_jax.convert import convert
 from orca_jax.engine import LLMEngine

@@ -1,4 +1,4 @@
-"""Tensor parallelism (orca_jax/parallel.py).
+"""Tensor parallelism (orca_jax/distributed/parallel.py).
 
 The sharded runs need several devices, and JAX fixes the device count when it starts, while
 this suite runs on one: tests/parallel_worker.py runs them in a subprocess on 8 forced host
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.models import abstract_variables, logical_specs
 
@@ -263,7 +263,7 @@ def test_every_weight_of_each_family_keeps_its_spec(family):
 
 def test_a_dimension_that_does_not_divide_is_replicated_with_a_warning(caplog):
     config = _family_config("llama", vocab_size=513)
-    with caplog.at_level("WARNING", logger="orca_jax.parallel"):
+    with caplog.at_level("WARNING", logger="orca_jax.distributed.parallel"):
         specs = parallel.tree_paths(parallel.param_specs(nn.unbox(abstract_variables(config)), logical_specs(config), 2)["params"])
     assert specs["embed"] == P() and specs["lm_head"] == P()
     assert specs["layers/attn/q_proj/kernel"] == P(None, None, M, None)  # the rest as before

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models on a mesh (orca_jax/parallel.py, orca_jax/models/moe.py): tensor
+"""Mixture-of-experts models on a mesh (orca_jax/distributed/parallel.py, orca_jax/models/moe.py): tensor
 parallelism splits every expert's intermediate axis, expert parallelism places whole experts per
 device, the attention tensor-parallel on the same devices either way.
 
@@ -16,7 +16,7 @@ import flax.linen as nn
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.models import abstract_variables, logical_specs
 

@@ -175,7 +175,7 @@ def test_moe_presets_fit_the_model_they_name(name, devices):
     import flax.linen as nn
     import numpy as np
 
-    from orca_jax import parallel
+    from orca_jax.distributed import parallel
     from orca_jax.models import abstract_variables, config_from_hf
 
     config = engine_config_from_preset(load_preset(name))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax import models, parallel
+from orca_jax import models
+from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models.layers import Einsum

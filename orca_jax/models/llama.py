@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
@@ -34,7 +34,7 @@ class DecoderBlock(nn.Module):
     page_size: int
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
-    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
+    mesh: Any = None  # tensor parallelism (see orca_jax.distributed.parallel); None: one device
 
     @nn.compact
     def __call__(self, carry, layer, metadata: AttentionMetadata):
@@ -82,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
-    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
+    mesh: Any = None  # tensor parallelism (see orca_jax.distributed.parallel); None: one device
     block: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     @nn.nowrap
