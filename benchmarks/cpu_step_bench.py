@@ -180,7 +180,7 @@ def build_runner(model: str | None, dtype: str, kv_cache_dtype: str, attention_i
     from orca_jax.compilation_cache import configure_for_process
     from orca_jax.config import EngineConfig
     from orca_jax.kernels import resolve_impl
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
     from orca_jax.runner import ModelRunner
 
     kv_cache_dtype = dtype if kv_cache_dtype == "same" else kv_cache_dtype

@@ -3,7 +3,7 @@
     orca-jax generate "PROMPT"   stream one completion to the terminal
     orca-jax serve [MODEL]       OpenAI-compatible HTTP server (see orca_jax/server.py); multi-host
                                  with --coordinator-address/--num-processes/--process-id
-    orca-jax convert MODEL DIR   convert weights once into an orbax checkpoint (orca_jax/convert.py)
+    orca-jax convert MODEL DIR   convert weights once into an orbax checkpoint (orca_jax/loading/convert.py)
     orca-jax bench orca|offline|serve|simulate   Orca's experiment and its peers (orca_jax/bench/)
 
 Both take `--config PRESET` (configs/*.toml, see orca_jax/presets.py); flags override it.
@@ -232,7 +232,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from orca_jax.convert import convert
+    from orca_jax.loading.convert import convert
 
     model = None if args.model == "default" else args.model
     timings = convert(model, args.out_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,

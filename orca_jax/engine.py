@@ -36,14 +36,14 @@ from orca_jax import multihost
 from orca_jax.distributed import parallel
 from orca_jax.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
-from orca_jax.dtype_policy import resolve_model_dtype
+from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output, split_prompt
 from orca_jax.pipeline import PipelineRunner

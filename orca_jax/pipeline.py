@@ -65,7 +65,7 @@ from jax.sharding import AxisType, Mesh
 from orca_jax.distributed import parallel
 from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
-from orca_jax.checkpoint import place_host_params
+from orca_jax.loading.checkpoint import place_host_params
 from orca_jax.compile_guard import compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool

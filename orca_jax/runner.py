@@ -35,7 +35,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orca_jax import checkpoint, step_export
+from orca_jax import step_export
+from orca_jax.loading import checkpoint
 from orca_jax.distributed import parallel
 from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
@@ -113,7 +114,7 @@ class ModelRunner:
     `mesh` (tensor parallelism, see `orca_jax.distributed.parallel`): weights, cache and batch carry
     NamedShardings and every program is jitted with them explicitly; None keeps the
     single-device path exactly as it is. `params` is the converted weights as numpy
-    ({"params": ...}) or a restorable checkpoint (`orca_jax.checkpoint.Checkpoint`), which
+    ({"params": ...}) or a restorable checkpoint (`orca_jax.loading.checkpoint.Checkpoint`), which
     restores straight into the shardings. `channel` (multi-host leader): every batch is
     handed to the other processes before it runs, so they run the same program.
     `keep_logits`: each step also returns the logits it sampled from (`SampleOutput.logits`,

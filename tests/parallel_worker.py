@@ -138,11 +138,11 @@ def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) ->
 def checkpoint_run(hf_dir: str, ckpt_dir: str, out_dir: str) -> dict:
     """A checkpoint converted on one device, restored onto meshes of 2 and 4 (KV heads
     replicated 2x at 4); and one converted sharded over 4 devices, restored on one."""
-    from orca_jax import checkpoint
+    from orca_jax.loading import checkpoint
     from orca_jax.distributed import parallel
-    from orca_jax.convert import convert
+    from orca_jax.loading.convert import convert
     from orca_jax.models import logical_specs
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
 
     def equal(restored, expected) -> bool:
         a, b = parallel.tree_paths(restored), parallel.tree_paths(expected)

@@ -113,8 +113,8 @@ def restore_per_stage(model: str, ckpt: str, pp: int, tp: int) -> dict:
     compare every stage's arrays with the host's slices; then tokens from the checkpoint."""
     import jax
 
-    from orca_jax.checkpoint import open_checkpoint
-    from orca_jax.convert import convert
+    from orca_jax.loading.checkpoint import open_checkpoint
+    from orca_jax.loading.convert import convert
     from orca_jax.pipeline_layout import make_pipeline_mesh, slice_stage_params, stage_layer_ranges, stage_mesh
 
     convert(model, ckpt)

@@ -1,4 +1,4 @@
-"""orbax checkpoints (orca_jax/checkpoint.py, written by orca_jax/convert.py): convert once,
+"""orbax checkpoints (orca_jax/loading/checkpoint.py, written by orca_jax/loading/convert.py): convert once,
 restore without converting, sharded or not; clear errors for missing and corrupt checkpoints."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from orca_jax import SamplingParams, checkpoint
+from orca_jax import SamplingParams
+from orca_jax.loading import checkpoint
 from orca_jax.distributed import parallel
 from orca_jax.cli import main
-from orca_jax.convert import convert
+from orca_jax.loading.convert import convert
 from orca_jax.engine import LLMEngine
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,
               max_model_len=128, warmup=False)
@@ -86,7 +87,7 @@ def test_engine_starts_from_the_checkpoint_without_converting(ckpt_dir, hf_dir, 
     def no_conversion(*_args, **_kwargs):
         raise AssertionError("the checkpoint path must not read or convert the original weights")
 
-    import orca_jax.models.loader as loader
+    import orca_jax.loading.loader as loader
 
     monkeypatch.setattr(loader, "read_safetensors", no_conversion)
     monkeypatch.setattr(loader, "hf_to_params", no_conversion)

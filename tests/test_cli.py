@@ -122,9 +122,9 @@ def test_bench_results_do_not_overwrite_the_committed_docs_by_default():
 
 # ---- convert --------------------------------------------------------------------------------
 def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, capsys):
-    """`orca-jax convert` is orca_jax.convert.convert ("default": the embedded model, None);
+    """`orca-jax convert` is orca_jax.loading.convert.convert ("default": the embedded model, None);
     the conversion itself is tested in tests/test_checkpoint.py."""
-    import orca_jax.convert
+    import orca_jax.loading.convert
 
     calls = []
 
@@ -132,7 +132,7 @@ def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, 
         calls.append((model, out_dir, dtype, tensor_parallel_size, quantization))
         return {"convert_s": 1.0, "total_s": 2.0}
 
-    monkeypatch.setattr(orca_jax.convert, "convert", fake_convert)
+    monkeypatch.setattr(orca_jax.loading.convert, "convert", fake_convert)
     out = str(tmp_path / "ckpt")
     assert cli.main(["convert", "default", out, "--dtype", "bfloat16", "--tensor-parallel-size", "2"]) == 0
     assert cli.main(["convert", "/models/llama", out, "--quantization", "int8"]) == 0

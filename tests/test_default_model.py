@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orca_jax import LLM, SamplingParams
-from orca_jax.models.loader import default_model_path
+from orca_jax.loading.loader import default_model_path
 
 # Loads the real default model. PyTorch is the reference: single-threaded (tests/conftest.py).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]

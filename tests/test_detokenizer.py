@@ -219,8 +219,8 @@ def gguf_tokenizer():
     """The embedded default model's tokenizer, built from its GGUF file as the loader does."""
     import gguf
 
-    from orca_jax.models.gguf_tokenizer import tokenizer_from_gguf
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.gguf_tokenizer import tokenizer_from_gguf
+    from orca_jax.loading.loader import default_model_path
 
     return tokenizer_from_gguf(gguf.GGUFReader(str(default_model_path())))
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from orca_jax import dtype_policy
-from orca_jax.dtype_policy import (CPU_AUTO_DTYPE, checkpoint_dtype, cpu_bfloat16_capable, resolve_dtype,
+from orca_jax.loading import dtype_policy
+from orca_jax.loading.dtype_policy import (CPU_AUTO_DTYPE, checkpoint_dtype, cpu_bfloat16_capable, resolve_dtype,
                                    resolve_model_dtype)
 
 
@@ -70,7 +70,7 @@ def test_gguf_dtype_comes_from_its_weight_matrices(tmp_path, matrix_type, expect
 
 
 def test_the_embedded_default_model_is_half_precision():
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     assert checkpoint_dtype(default_model_path()) == "bfloat16"  # Q4_1 weights
 

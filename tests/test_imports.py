@@ -92,7 +92,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_graph_sees_top_level_and_function_level_imports():
     graph = import_graph()
     assert "orca_jax.config" in graph["orca_jax.engine"]  # module level
-    assert "orca_jax.convert" in graph["orca_jax.cli"]  # inside cmd_convert
+    assert "orca_jax.loading.convert" in graph["orca_jax.cli"]  # inside cmd_convert
     assert "orca_jax.models.gpt2" in graph["orca_jax.models"]  # `from orca_jax.models import gpt2`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
@@ -106,6 +106,6 @@ def test_no_import_cycle_among_orca_jax_modules():
 def test_checkpoints_know_nothing_of_loading():
     """checkpoint.py saves and restores; loading (and converting: load, then save) sit above it."""
     graph = import_graph()
-    below_checkpoint = reachable(graph, "orca_jax.checkpoint")
-    assert not below_checkpoint & {"orca_jax.models.loader", "orca_jax.convert", "orca_jax.model_cache"}
-    assert {"orca_jax.models.loader", "orca_jax.checkpoint"} <= graph["orca_jax.convert"]
+    below_checkpoint = reachable(graph, "orca_jax.loading.checkpoint")
+    assert not below_checkpoint & {"orca_jax.loading.loader", "orca_jax.loading.convert", "orca_jax.loading.model_cache"}
+    assert {"orca_jax.loading.loader", "orca_jax.loading.checkpoint"} <= graph["orca_jax.loading.convert"]

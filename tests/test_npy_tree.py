@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax import npy_tree
+from orca_jax.loading import npy_tree
 
 
 def _tree():

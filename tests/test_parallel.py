@@ -181,7 +181,7 @@ def test_repeated_kv_heads_keep_each_query_heads_kv_head():
 def test_one_kv_head_repeat_for_host_and_device_arrays():
     """The same function repeats host weights (numpy) and restored device weights (jax.numpy,
     inside jit), and the checkpoint's device path (jitted, placed on a mesh) gives the same."""
-    from orca_jax import checkpoint
+    from orca_jax.loading import checkpoint
 
     config, repeats = dataclasses.replace(_config(8, 2), model_type="qwen2", qkv_bias=True), 4
     host = parallel.repeat_kv_heads(_random_params(config), logical_specs(config), repeats)

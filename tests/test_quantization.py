@@ -176,9 +176,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=
 
 
 def test_a_checkpoint_converted_with_int8_restores_without_quantizing_again(tiny_llama_dir, tmp_path, caplog):
-    from orca_jax import checkpoint
-    from orca_jax.convert import convert
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading import checkpoint
+    from orca_jax.loading.convert import convert
+    from orca_jax.loading.loader import load_model
 
     convert(str(tiny_llama_dir), tmp_path / "ckpt", quantization="int8")
     opened = checkpoint.open_checkpoint(tmp_path / "ckpt")
@@ -192,7 +192,7 @@ def test_a_checkpoint_converted_with_int8_restores_without_quantizing_again(tiny
 
     prompts = [[5, 9, 13, 2, 40], [7, 7, 3]]
     _, from_hf = _greedy(dict(model=str(tiny_llama_dir), quantization="int8", **ENGINE), prompts)
-    with caplog.at_level("INFO", logger="orca_jax.models.loader"):
+    with caplog.at_level("INFO", logger="orca_jax.loading.loader"):
         llm, from_checkpoint = _greedy(dict(model=str(tmp_path / "ckpt"), **ENGINE), prompts)
     assert from_checkpoint == from_hf
     assert "quantized to" not in caplog.text and "as the checkpoint holds them" in caplog.text
@@ -202,7 +202,7 @@ def test_a_checkpoint_converted_with_int8_restores_without_quantizing_again(tiny
 
 
 def test_gguf_format_needs_a_gguf_file(tiny_llama_dir):
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
 
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_model(str(tiny_llama_dir), quantization="gguf")

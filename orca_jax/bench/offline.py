@@ -220,7 +220,7 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())
 

@@ -177,7 +177,7 @@ def analyze(runs: list[dict], policies: tuple[str, ...], slo_ms_per_token: float
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())
 

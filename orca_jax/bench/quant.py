@@ -747,6 +747,6 @@ def _fmt(value: float | None, digits: int) -> str:
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())

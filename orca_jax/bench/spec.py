@@ -587,6 +587,6 @@ def _tokenizer(s: SpecSettings):
     """The model's tokenizer, before any engine (it sizes their context); the weights of a
     converted model stay on disk until read."""
     from orca_jax.cache_dirs import default_model_cache_dir
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
 
     return load_model(s.model, dtype=s.dtype, cache_dir=default_model_cache_dir()).tokenizer

@@ -3,7 +3,7 @@
 `ModelConfig` describes a checkpoint's architecture; each model family reads it from HF
 `config.json` itself (`orca_jax.models.config_from_hf`, which also checks the family and the
 activation against the registries there), GGUF metadata goes through the same parser
-(`orca_jax.models.loader.gguf_config`). `EngineConfig` holds the serving knobs, with vLLM's
+(`orca_jax.loading.loader.gguf_config`). `EngineConfig` holds the serving knobs, with vLLM's
 names, and derives the shape buckets that bound how many programs XLA compiles;
 `speculative.py` beside it holds `SpeculativeConfig`. Every layer reads these, so the package
 sits at the bottom of orca_jax, above kernels only.
@@ -135,7 +135,7 @@ class EngineConfig:
     """Serving settings. Names follow vLLM where vLLM has the knob."""
 
     model: str | None = None
-    # "auto": the checkpoint's dtype on GPUs and TPUs, float32 on CPU (orca_jax.dtype_policy);
+    # "auto": the checkpoint's dtype on GPUs and TPUs, float32 on CPU (orca_jax.loading.dtype_policy);
     # the engine resolves it before loading the model.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # "auto": the model dtype, except float32 on CPU, where XLA has no bfloat16 scatter/gather
@@ -260,7 +260,7 @@ class EngineConfig:
 
     def resolved_kv_cache_dtype(self, backend: str) -> str:
         """The cache's storage dtype (a numpy dtype name)."""
-        assert self.dtype != "auto", "resolve dtype='auto' first (orca_jax.dtype_policy)"
+        assert self.dtype != "auto", "resolve dtype='auto' first (orca_jax.loading.dtype_policy)"
         name = _KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if name in kv_quant.KV_CACHE_DTYPES:
             return kv_quant.KV_CACHE_DTYPES[name].dtype.name

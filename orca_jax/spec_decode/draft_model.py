@@ -31,7 +31,7 @@ import jax
 
 from orca_jax.config import EngineConfig
 from orca_jax.kv_cache import PageAllocator
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 from orca_jax.runner import ModelRunner, WarmupReport
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.scheduler import ScheduledBatch, SlotAllocator

@@ -27,10 +27,11 @@ import pytest
 import torch
 
 from orca_jax.kernels import quantization
-from orca_jax.models import config_from_hf, gguf_arch
-from orca_jax.models.gguf_tokenizer import build_tokenizer
+from orca_jax.models import config_from_hf
+from orca_jax.loading import gguf_arch
+from orca_jax.loading.gguf_tokenizer import build_tokenizer
 from orca_jax.models.llama import LlamaForCausalLM
-from orca_jax.models.loader import SUPPORTED_GGUF_ARCHITECTURES, gguf_config, hf_to_params, load_model
+from orca_jax.loading.loader import SUPPORTED_GGUF_ARCHITECTURES, gguf_config, hf_to_params, load_model
 
 ATOL = 1e-4  # F32 logits; the Q8_0 case is held to the same bound against its dequantized weights
 MISTRAL_WINDOW = 12  # below most sequence lengths of the parity run, not a multiple of the page size

@@ -1,4 +1,4 @@
-"""The GGUF tokenizer built without torch (`orca_jax.models.gguf_tokenizer`) against transformers'
+"""The GGUF tokenizer built without torch (`orca_jax.loading.gguf_tokenizer`) against transformers'
 own GGUF path (AutoTokenizer with gguf_file, which needs torch: fine in tests): on the real default
 model, on small SentencePiece and Llama-3-style vocabularies written here with `gguf.GGUFWriter`,
 and in a process where importing torch fails."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from orca_jax.models import gguf_tokenizer
-from orca_jax.models.gguf_tokenizer import build_tokenizer, merges_from_scores, split_merge, tokenizer_from_gguf
-from orca_jax.models.loader import default_model_path
+from orca_jax.loading import gguf_tokenizer
+from orca_jax.loading.gguf_tokenizer import build_tokenizer, merges_from_scores, split_merge, tokenizer_from_gguf
+from orca_jax.loading.loader import default_model_path
 
 TEXTS = [
     "Hello world",
@@ -331,10 +331,10 @@ def test_default_model_loads_without_importing_torch(tmp_path):
     tokenizer replaces on this path (its import is 1-2.5 s of a start), is never imported."""
     script = _BLOCK_TORCH + textwrap.dedent(f"""
         import jax
-        from orca_jax import model_cache
-        from orca_jax.models.loader import default_model_path, load_model
+        from orca_jax.loading import model_cache
+        from orca_jax.loading.loader import default_model_path, load_model
         import gguf
-        from orca_jax.models.gguf_tokenizer import tokenizer_from_gguf
+        from orca_jax.loading.gguf_tokenizer import tokenizer_from_gguf
 
         tok = tokenizer_from_gguf(gguf.GGUFReader(str(default_model_path())))
         assert tok.encode("<|im_start|>user") == [1, 4093], tok.encode("<|im_start|>user")

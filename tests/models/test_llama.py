@@ -22,7 +22,7 @@ import torch
 
 from orca_jax import LLM
 from orca_jax.models.layers import model_inv_freq, rope_inv_freq
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 ATOL = 1e-4
 VOCAB = 512  # conftest.TINY_VOCAB

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from orca_jax.config import ModelConfig
-from orca_jax.models import config_from_hf, loader
-from orca_jax.models.loader import (
+from orca_jax.models import config_from_hf
+from orca_jax.loading import loader
+from orca_jax.loading.loader import (
     gguf_config,
     gguf_to_hf_name,
     hf_to_params,

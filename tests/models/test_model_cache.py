@@ -1,4 +1,4 @@
-"""The model cache (`orca_jax.model_cache`): a GGUF file converted once is restored from an orbax
+"""The model cache (`orca_jax.loading.model_cache`): a GGUF file converted once is restored from an orbax
 entry keyed by its content hash and the dtype; stale, damaged, half-written and unwritable
 caches cost a conversion, never a failure. Mostly on a tiny GGUF written here; once on the real
 default model."""
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax import checkpoint, model_cache
-from orca_jax.models.loader import load_model
+from orca_jax.loading import checkpoint, model_cache
+from orca_jax.loading.loader import load_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 16, 2, 1, 8, 32, 2
 TEXTS = ["the cat", "<s>hello</s> world", "tab\tnew\nline 123", "日本 😀", "<|im_start|>user\nhi<|im_end|>"]
@@ -293,7 +293,7 @@ def test_a_corrupt_marker_is_logged_and_rebuilt(tiny_gguf, tmp_path, parse_count
     _, expected = _first_load(tiny_gguf, cache_dir)
     [entry] = _entries(cache_dir)
     (entry / checkpoint.MARKER).write_text("{garbage")
-    with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.loading.model_cache"):
         rebuilt = load_model(tiny_gguf, cache_dir=cache_dir)
     assert isinstance(rebuilt.params, dict) and len(parse_counter) == 2
     assert "unreadable" in caplog.text and entry.name in caplog.text
@@ -322,7 +322,7 @@ def test_damaged_arrays_found_at_restore_are_converted_again(tiny_gguf, tmp_path
         data.write_bytes(data.read_bytes()[:-7])
     hit = load_model(tiny_gguf, cache_dir=cache_dir)
     assert isinstance(hit.params, model_cache.CachedCheckpoint) and len(parse_counter) == 1
-    with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.loading.model_cache"):
         params = hit.params.restore("float32")
     assert "cannot be restored" in caplog.text and len(parse_counter) == 2
     _assert_bit_identical(params, expected)
@@ -348,7 +348,8 @@ def test_converter_fingerprint_follows_the_model_code():
     (each family's, beside its model), so changing any of them makes old entries stale."""
     import inspect
 
-    from orca_jax.models import ARCHITECTURES, hf_config, loader
+    from orca_jax.models import ARCHITECTURES, hf_config
+    from orca_jax.loading import loader
 
     first = model_cache.converter_fingerprint()
     assert first == model_cache.converter_fingerprint()
@@ -370,7 +371,7 @@ def test_a_failed_save_leaves_no_entry(tiny_gguf, tmp_path, monkeypatch, caplog)
         raise OSError("disk full")
 
     monkeypatch.setattr(model_cache.npy_tree, "save_tree", dies_after_the_params)
-    with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.loading.model_cache"):
         _first_load(tiny_gguf, cache_dir)
     assert "could not save" in caplog.text and "disk full" in caplog.text
     assert _entries(cache_dir) == [] and not list(cache_dir.glob(".tmp-*"))
@@ -393,7 +394,7 @@ def test_a_killed_runs_temporary_directory_is_ignored_and_removed(tiny_gguf, tmp
 def test_an_unwritable_cache_dir_only_warns(tiny_gguf, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="orca_jax.model_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.loading.model_cache"):
         loaded, _ = _first_load(tiny_gguf, blocker / "cache")
     assert loaded.params["params"]["embed"].shape[1] == HIDDEN
     assert "could not save" in caplog.text

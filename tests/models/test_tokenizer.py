@@ -14,9 +14,9 @@ import gguf
 import pytest
 
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step, rust_decode_is_exact
-from orca_jax.models import gguf_tokenizer
-from orca_jax.models.loader import default_model_path
-from orca_jax.models.tokenizer import Tokenizer, load_tokenizer, unsupported_reason, read_config
+from orca_jax.loading import gguf_tokenizer
+from orca_jax.loading.loader import default_model_path
+from orca_jax.loading.tokenizer import Tokenizer, load_tokenizer, unsupported_reason, read_config
 
 TEXTS = [
     "Hello world", "What is the capital of France?", "  two leading spaces, and    four inside",

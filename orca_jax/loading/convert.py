@@ -1,5 +1,5 @@
-"""`orca-jax convert`: load a model once (`orca_jax.models.loader`) and save it as an orca_jax
-checkpoint (`orca_jax.checkpoint`), so later starts restore it without reading or converting
+"""`orca-jax convert`: load a model once (`orca_jax.loading.loader`) and save it as an orca_jax
+checkpoint (`orca_jax.loading.checkpoint`), so later starts restore it without reading or converting
 the original again. It sits above both: the loader reads checkpoints, and the checkpoint
 module knows nothing of loading.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from orca_jax.distributed import parallel
-from orca_jax.checkpoint import CheckpointError, is_checkpoint, place_host_params, save_checkpoint
+from orca_jax.loading.checkpoint import CheckpointError, is_checkpoint, place_host_params, save_checkpoint
 from orca_jax.config import ModelConfig
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orca_jax.models.tokenizer import Tokenizer
+from orca_jax.loading.tokenizer import Tokenizer
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 

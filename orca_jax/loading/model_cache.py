@@ -3,10 +3,10 @@ dequantizes the file again.
 
     CACHE_DIR/
       file_hashes.json             (absolute path, size, mtime_ns) -> sha256 of a GGUF file
-      <sha256[:32]>-<dtype>/       laid out as an orca_jax checkpoint (`orca_jax.checkpoint`), but
+      <sha256[:32]>-<dtype>/       laid out as an orca_jax checkpoint (`orca_jax.loading.checkpoint`), but
         orca_jax_checkpoint.json   the marker (ModelConfig, dtype, the key below, "params_format")
         params/                    the weights converted and cast to dtype, one .npy file per leaf
-                                   (`orca_jax.npy_tree`), memory-mapped when restored
+                                   (`orca_jax.loading.npy_tree`), memory-mapped when restored
         tokenizer/                 the tokenizer (`models.tokenizer.Tokenizer.save_pretrained`)
       .tmp-<entry>-<pid>-<hex>/    an entry being written
 
@@ -49,11 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import checkpoint, npy_tree
+from orca_jax.loading import checkpoint, npy_tree
 from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
-from orca_jax.checkpoint import Checkpoint, CheckpointError
-from orca_jax.models.tokenizer import Tokenizer  # the class the entry's tokenizer was saved from
+from orca_jax.loading.checkpoint import Checkpoint, CheckpointError
+from orca_jax.loading.tokenizer import Tokenizer  # the class the entry's tokenizer was saved from
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def fingerprint_sources() -> list[Path]:
 @dataclasses.dataclass
 class CachedCheckpoint(Checkpoint):
     """A cache entry handed to the runner like a converted checkpoint. Its arrays are memory maps
-    of the entry's .npy files (`orca_jax.npy_tree`), not read by orbax: on one CPU device the
+    of the entry's .npy files (`orca_jax.loading.npy_tree`), not read by orbax: on one CPU device the
     weights are placed without a copy. If they cannot be mapped (the marker was fine but the
     arrays are damaged), it converts the GGUF file again instead of failing, and records the
     restore time in the model's timings."""

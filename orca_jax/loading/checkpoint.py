@@ -1,21 +1,21 @@
 """orbax checkpoints of converted weights: an HF directory or GGUF file converted once
-(`orca_jax.convert`), then started from without reading or converting the original again.
+(`orca_jax.loading.convert`), then started from without reading or converting the original again.
 
     OUT_DIR/
       orca_jax_checkpoint.json   marker: format version, ModelConfig, dtype, where it came from
       params/                    the Flax parameter tree, saved by orbax (StandardCheckpointer)
       tokenizer/                 the tokenizer in HF's layout (its `save_pretrained`)
 
-`LLM(model=OUT_DIR)` recognises the marker (`orca_jax.models.loader.load_model`) and the runner
+`LLM(model=OUT_DIR)` recognises the marker (`orca_jax.loading.loader.load_model`) and the runner
 restores the parameters straight into their target shardings: with tensor parallelism each
 device (each process, multi-host) reads only its own slices from storage. The checkpoint holds
 the model's own KV heads; a mesh that replicates them (see `parallel.kv_head_repeats`) restores
 K/V projections whole and repeats them on device. A checkpoint converted at one tensor-parallel
 size restores at any other.
 
-The model cache's entries (`orca_jax.model_cache`: converted GGUF files) share the marker and
+The model cache's entries (`orca_jax.loading.model_cache`: converted GGUF files) share the marker and
 the tokenizer layout (`write_marker`), but keep their weights as memory-mapped .npy files
-(`orca_jax.npy_tree`), which a warm start places without reading or copying them.
+(`orca_jax.loading.npy_tree`), which a warm start places without reading or copying them.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def load_tokenizer(checkpoint: Checkpoint):
     """orca_jax's own tokenizer class where it reads the saved one exactly, else AutoTokenizer."""
-    from orca_jax.models.tokenizer import load_tokenizer as load_tokenizer_dir
+    from orca_jax.loading.tokenizer import load_tokenizer as load_tokenizer_dir
 
     return load_tokenizer_dir(checkpoint.path / TOKENIZER_DIR)
 

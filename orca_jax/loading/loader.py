@@ -1,9 +1,9 @@
 """Checkpoint loading: HF directories (safetensors), GGUF files, the embedded default model, and
-orca_jax's own orbax checkpoints (`orca_jax.checkpoint`, already converted).
+orca_jax's own orbax checkpoints (`orca_jax.loading.checkpoint`, already converted).
 
 A GGUF file is parsed once, for its weights and its tokenizer (`gguf_tokenizer`: no torch), and
 its converted weights and tokenizer are cached between runs when a cache directory is given
-(`orca_jax.model_cache`): dequantizing costs seconds at every start, restoring does not.
+(`orca_jax.loading.model_cache`): dequantizing costs seconds at every start, restoring does not.
 HF directories and orbax checkpoints are not cached: safetensors and orbax already load about
 as fast as the cache would.
 
@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from orca_jax import checkpoint, model_cache
+from orca_jax.loading import checkpoint, model_cache
 from orca_jax.config import ModelConfig
-from orca_jax.models import architecture, config_from_hf, gguf_arch, quantize_params
+from orca_jax.models import architecture, config_from_hf, quantize_params
+from orca_jax.loading import gguf_arch
 from orca_jax.models.moe_families import HF_MOE_PREFIX  # where each MoE family keeps its experts
-from orca_jax.models.tokenizer import load_tokenizer  # a tokenizer.json without transformers, where it can
+from orca_jax.loading.tokenizer import load_tokenizer  # a tokenizer.json without transformers, where it can
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ SUPPORTED_GGUF_ARCHITECTURES = gguf_arch.SUPPORTED_ARCHITECTURES
 class LoadedModel:
     config: ModelConfig
     # {"params": {...}} numpy arrays, ready for jax.device_put; or, for an orca_jax checkpoint,
-    # the opened `orca_jax.checkpoint.Checkpoint`, restored later straight into its shardings.
+    # the opened `orca_jax.loading.checkpoint.Checkpoint`, restored later straight into its shardings.
     params: Any
     tokenizer: Any
     source: str
@@ -246,7 +247,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     """Parse the file once: config, tokenizer and weights all come from the same reader."""
     import gguf
 
-    from orca_jax.models.gguf_tokenizer import TOKENIZER_ARRAYS, tokenizer_from_gguf
+    from orca_jax.loading.gguf_tokenizer import TOKENIZER_ARRAYS, tokenizer_from_gguf
 
     start = time.perf_counter()
     try:

@@ -46,7 +46,7 @@ def resolve_model_dtype(requested: str, backend: str, model: str | Path | None) 
     seconds)."""
     if requested != AUTO or backend == "cpu":
         return resolve_dtype(requested, backend, None)
-    from orca_jax.models.loader import resolve_model_path
+    from orca_jax.loading.loader import resolve_model_path
 
     return resolve_dtype(requested, backend, checkpoint_dtype(resolve_model_path(model)))
 
@@ -57,7 +57,7 @@ def checkpoint_dtype(path: Path) -> str | None:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_dtype(path)
-    from orca_jax import checkpoint
+    from orca_jax.loading import checkpoint
 
     if checkpoint.is_checkpoint(path):
         return checkpoint.open_checkpoint(path).dtype

@@ -231,11 +231,11 @@ class Tokenizer:
     def apply_chat_template(self, conversation: list, tools: list | None = None, documents: list | None = None,
                             chat_template: str | None = None, add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True, **kwargs):
-        """The conversation rendered by the chat template (`orca_jax.models.jinja_chat`), with
+        """The conversation rendered by the chat template (`orca_jax.loading.jinja_chat`), with
         the special tokens and `kwargs` as the template's variables. `tokenize`: its ids
         (encoded without adding special tokens: the template writes them), as
         {"input_ids", "attention_mask"} when `return_dict`, as transformers 5 returns them."""
-        from orca_jax.models.jinja_chat import render_chat
+        from orca_jax.loading.jinja_chat import render_chat
 
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")

@@ -4,7 +4,7 @@
       index.json            {"leaves": {"layers/attn/q_proj/kernel": {"dtype": ..., "shape": [...]}, ...}}
       layers/attn/q_proj/kernel.npy   one file per leaf (nested dicts become folders)
 
-The model cache keeps its converted weights so (`orca_jax.model_cache`): `load_tree` maps the
+The model cache keeps its converted weights so (`orca_jax.loading.model_cache`): `load_tree` maps the
 files instead of reading them, and an .npy file's data starts 64-byte aligned, so on CPU
 `jax.device_put` of a mapped leaf is zero-copy. A warm start then neither reads nor copies
 514 MB of weights: the pages come from the operating system's file cache as the first step
