@@ -212,7 +212,7 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
     """StepInputs fields of a step whose first `num_rows` rows are greedy and the rest padding."""
     from orca_jax.batch import token_bucket
     from orca_jax.batch_state import REPETITION, TOP_P, page_write_capacity
-    from orca_jax.guided_decoding import all_allowed_bitmask
+    from orca_jax.structured.guided_decoding import all_allowed_bitmask
     from orca_jax.kv_cache import PADDING_PAGE
 
     T = token_bucket(config, num_tokens)

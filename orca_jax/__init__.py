@@ -11,7 +11,7 @@ from orca_jax.engine import LLMEngine
 from orca_jax.llm import LLM
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",

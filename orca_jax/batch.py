@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import EngineConfig
-from orca_jax.guided_decoding import step_token_bitmask
+from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.scheduler import ScheduledBatch
@@ -47,7 +47,7 @@ class SamplingInputs:
     seeds: np.ndarray  # u32[S]; per-sequence seed
     sample_index: np.ndarray  # i32[S]; which output token this is, folded into the seed
     want_logprobs: np.ndarray  # bool[S]
-    # Constrained decoding (orca_jax.guided_decoding): the rows whose logits the bitmask masks,
+    # Constrained decoding (orca_jax.structured.guided_decoding): the rows whose logits the bitmask masks,
     # and the allowed tokens per row (bit v of word v // 32; all ones for free rows). None in
     # hand-made sampler inputs: then nothing is masked.
     guided: np.ndarray | None = None  # bool[S]

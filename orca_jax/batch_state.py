@@ -37,7 +37,7 @@ import numpy as np
 
 from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, VerifyLayout, token_bucket
 from orca_jax.config import EngineConfig
-from orca_jax.guided_decoding import step_token_bitmask
+from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kv_cache import PADDING_PAGE
 from orca_jax.sampling import TokenCounts

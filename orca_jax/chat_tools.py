@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orca_jax.errors import RequestError
-from orca_jax.guided_decoding import checked_grammar_text
+from orca_jax.structured.guided_decoding import checked_grammar_text
 from orca_jax.protocol import ChatCompletionRequest, Tool
-from orca_jax.structured_outputs import StructuredOutputsParams, closed_objects
+from orca_jax.structured.structured_outputs import StructuredOutputsParams, closed_objects
 from orca_jax.tool_parsers import (JsonArrayToolParser, NamedToolParser, ToolCallStreamer, ToolParser,
                                    extract_tool_calls, get_tool_parser)
 

@@ -40,7 +40,7 @@ from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
-from orca_jax.guided_decoding import GrammarCompiler, GuidedState
+from orca_jax.structured.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.kernels import resolve_impl
 from orca_jax.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own limit on choices per request
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from orca_jax.errors import RequestError
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 # Below this, dividing logits by the temperature overflows float32; vLLM raises smaller
 # temperatures to it too (sampling that cold is greedy in all but name).
@@ -69,7 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
-    # Constrained decoding (JSON schema, regex, choice, grammar): orca_jax.structured_outputs.
+    # Constrained decoding (JSON schema, regex, choice, grammar): orca_jax.structured.structured_outputs.
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):

@@ -9,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from orca_jax.guided_decoding import GuidedState
+from orca_jax.structured.guided_decoding import GuidedState
 from orca_jax.sampling_params import SamplingParams
 
 
@@ -61,7 +61,7 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)
     num_published_pages: int = 0
     num_cached_tokens: int | None = None
-    # Constrained decoding (orca_jax.guided_decoding): the grammar's state, for a sequence
+    # Constrained decoding (orca_jax.structured.guided_decoding): the grammar's state, for a sequence
     # whose params carry structured_outputs; not admitted until the grammar is compiled.
     guided: GuidedState | None = None
     # Speculative decoding (orca_jax.spec_decode): the draft tokens proposed for its next step

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from orca_jax import SamplingParams  # noqa: E402
 from orca_jax.compile_guard import compile_count  # noqa: E402
 from orca_jax.engine import LLMEngine  # noqa: E402
-from orca_jax.structured_outputs import StructuredOutputsParams  # noqa: E402
+from orca_jax.structured.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 # One token bucket (32); prompts up to 41 tokens are prefilled in chunks; a pool of 40
 # pages of 4 tokens (156 usable tokens) is smaller than the workload, so sequences get

@@ -17,8 +17,8 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.compile_guard import no_compiles
 from orca_jax.errors import RequestError
-from orca_jax.guided_decoding import GrammarCompiler
-from orca_jax.structured_outputs import StructuredOutputsParams as Constraint
+from orca_jax.structured.guided_decoding import GrammarCompiler
+from orca_jax.structured.structured_outputs import StructuredOutputsParams as Constraint
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "Once upon a time"]
 

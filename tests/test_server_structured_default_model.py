@@ -21,7 +21,7 @@ import pytest
 
 from orca_jax.engine import LLMEngine
 from orca_jax.server import ServerSettings, build_app
-from orca_jax.structured_outputs import closed_objects
+from orca_jax.structured.structured_outputs import closed_objects
 
 pytestmark = pytest.mark.slow
 

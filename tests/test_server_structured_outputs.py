@@ -33,10 +33,10 @@ from orca_jax.async_engine import AsyncLLMEngine
 from orca_jax.chat_template import apply_chat_template
 from orca_jax.compile_guard import no_compiles
 from orca_jax.engine import LLMEngine
-from orca_jax.guided_decoding import grammar_text
+from orca_jax.structured.guided_decoding import grammar_text
 from orca_jax.metrics import ServerMetrics
 from orca_jax.server import ServerSettings, build_app, create_app
-from orca_jax.structured_outputs import StructuredOutputsParams, closed_objects
+from orca_jax.structured.structured_outputs import StructuredOutputsParams, closed_objects
 
 MODEL = "tiny-llama"
 # Tools are described in a system message (the tiny template knows no tools): two tools and a

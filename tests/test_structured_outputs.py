@@ -8,7 +8,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax.errors import RequestError
-from orca_jax.structured_outputs import StructuredOutputsParams, closed_objects
+from orca_jax.structured.structured_outputs import StructuredOutputsParams, closed_objects
 
 
 @pytest.mark.parametrize("kwargs,param", [

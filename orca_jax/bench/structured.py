@@ -217,7 +217,7 @@ class FillTimer:
         self.seconds: list[float] = []
 
     def __enter__(self):
-        from orca_jax import guided_decoding
+        from orca_jax.structured import guided_decoding
 
         real = guided_decoding.fill_token_bitmask
 
@@ -232,7 +232,7 @@ class FillTimer:
         return self
 
     def __exit__(self, *exc):
-        from orca_jax import guided_decoding
+        from orca_jax.structured import guided_decoding
 
         guided_decoding.fill_token_bitmask = self._real
 
@@ -245,7 +245,7 @@ def random_prompts(num: int, length: int, vocab_size: int, exclude_ids, seed: in
 
 def request_params(constrained: bool, s: StructuredSettings):
     from orca_jax import SamplingParams
-    from orca_jax.structured_outputs import StructuredOutputsParams
+    from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=records_schema(s.min_items)) if constrained else None
     return SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0.0, structured_outputs=constraint)
@@ -354,7 +354,7 @@ def check_outputs(finished: dict[int, Any], num_seqs: int, num_constrained: int,
 def grammar_compile_times(engine, s: StructuredSettings) -> dict[str, Any]:
     """The one-off tokenizer wrap, then per schema the medians of `compile_repeats` cold
     validates and compiles (each a new cache key: a title that llguidance ignores)."""
-    from orca_jax.structured_outputs import StructuredOutputsParams
+    from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
     started = time.perf_counter()
     engine.grammars.llg_tokenizer()
@@ -382,7 +382,7 @@ def masking_alone(num_seqs: int, vocab_size: int, repeats: int = 20) -> dict[str
     import jax
     import jax.numpy as jnp
 
-    from orca_jax.guided_decoding import bitmask_words
+    from orca_jax.structured.guided_decoding import bitmask_words
     from orca_jax.sampling import apply_token_bitmask
 
     rng = np.random.default_rng(0)

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from orca_jax.errors import RequestError
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 # Compiled grammars kept (each a matcher template of a few hundred KB at most).
 GRAMMAR_CACHE_SIZE = 128

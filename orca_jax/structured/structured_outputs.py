@@ -19,7 +19,7 @@ while leaving a small model no room to wander into endless newlines.
 
 This module checks shapes and types only, raising RequestError naming
 `structured_outputs.<field>`; whether a schema, regex or grammar compiles is the grammar
-engine's to say (orca_jax.guided_decoding), also before anything is queued.
+engine's to say (orca_jax.structured.guided_decoding), also before anything is queued.
 """
 
 from __future__ import annotations
