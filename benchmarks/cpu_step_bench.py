@@ -213,7 +213,7 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
     from orca_jax.batch import token_bucket
     from orca_jax.batch_state import REPETITION, TOP_P, page_write_capacity
     from orca_jax.structured.guided_decoding import all_allowed_bitmask
-    from orca_jax.kv_cache import PADDING_PAGE
+    from orca_jax.core.kv_cache import PADDING_PAGE
 
     T = token_bucket(config, num_tokens)
     S = config.seq_bucket(T)
@@ -251,7 +251,7 @@ def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int =
 def decode_page_table(config, batch: int, context: int) -> np.ndarray:
     """i32[R, P]: slot s owns pages 1 + s * P + (0, 1, ...), as many as `context` tokens fill."""
     from orca_jax.batch_state import num_slots
-    from orca_jax.kv_cache import PADDING_PAGE
+    from orca_jax.core.kv_cache import PADDING_PAGE
 
     P = config.max_pages_per_seq
     table = np.full((num_slots(config), P), PADDING_PAGE, np.int32)

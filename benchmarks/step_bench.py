@@ -80,7 +80,7 @@ def time_decode_steps(engine, batch: int, context: int, steps: int = 32) -> dict
     """Median seconds of one decode `step()` with exactly `batch` sequences, their mean cached
     tokens during the timed steps (for the KV bytes of the roofline), and what the step
     timeline says of those steps (device step, device idle share, host work)."""
-    from orca_jax.sampling_params import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
     from orca_jax.step_timing import derive, summarize
 
     rng = np.random.default_rng(batch)

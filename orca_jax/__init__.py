@@ -10,7 +10,7 @@ from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.engine import LLMEngine
 from orca_jax.llm import LLM
 from orca_jax.outputs import CompletionOutput, RequestOutput
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 __all__ = [

@@ -23,8 +23,8 @@ import numpy as np
 from orca_jax.config import EngineConfig
 from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.kv_cache import PADDING_PAGE
-from orca_jax.scheduler import ScheduledBatch
+from orca_jax.core.kv_cache import PADDING_PAGE
+from orca_jax.core.scheduler import ScheduledBatch
 
 # input_ids entry of a token the host does not hold: a sampled token still on the device (the
 # step program takes it from the persistent batch state, orca_jax.batch_state).

@@ -39,9 +39,9 @@ from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, Veri
 from orca_jax.config import EngineConfig
 from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.kv_cache import PADDING_PAGE
+from orca_jax.core.kv_cache import PADDING_PAGE
 from orca_jax.sampling import TokenCounts
-from orca_jax.scheduler import ScheduledBatch
+from orca_jax.core.scheduler import ScheduledBatch
 
 # row_flags bits.
 ROW_SAMPLES = 1  # the row reaches its sequence's end: its sampled token is kept in last_token

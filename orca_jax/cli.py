@@ -18,7 +18,7 @@ import os
 import sys
 
 from orca_jax.config import QUANTIZATION_METHODS, EngineConfig
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("orca_jax.cli")
 

@@ -42,16 +42,16 @@ from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.structured.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.kernels import resolve_impl
-from orca_jax.kv_cache import PageAllocator
+from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output, split_prompt
 from orca_jax.pipeline import PipelineRunner
 from orca_jax.pipeline_layout import make_pipeline_mesh
 from orca_jax.runner import ModelRunner
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import Scheduler
-from orca_jax.sequence import Sequence
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import Scheduler
+from orca_jax.core.sequence import Sequence
 from orca_jax.spec_decode.draft_model import DraftModelProposer
 from orca_jax.spec_decode.proposing import NgramSequenceProposer, Speculation
 from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,

@@ -42,7 +42,7 @@ from orca_jax.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message
 from orca_jax.outputs import CompletionOutput, RequestOutput
 from orca_jax.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
                                bad_request, request_error_to_openai)
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.core.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 WaitForDisconnect = Callable[[], Awaitable[None]]

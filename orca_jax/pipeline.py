@@ -68,13 +68,13 @@ from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_dev
 from orca_jax.loading.checkpoint import place_host_params
 from orca_jax.compile_guard import compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
+from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import abstract_variables, architecture
 from orca_jax.pipeline_layout import (STAGE_AXIS, make_pipeline_mesh, slice_stage_params, stage_holds,
                                       stage_layer_ranges, stage_mesh, stage_processes)
 from orca_jax.runner import PendingStep, WarmupReport, compile_workers
 from orca_jax.sampling import SampleOutput, sample
-from orca_jax.scheduler import ScheduledBatch
+from orca_jax.core.scheduler import ScheduledBatch
 from orca_jax.stage_link import StageLink
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orca_jax.errors import RequestError, check_unicode
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own limit on choices per request

@@ -9,7 +9,7 @@ Only "cumulative" copies everything so far (its contract is a full snapshot ever
 
 A prompt comes in any of vLLM's forms (`split_prompt`): text, token ids, or a dict, vLLM's
 TextPrompt `{"prompt": text}` or TokensPrompt `{"prompt_token_ids": ids}`, either of which may
-carry a `cache_salt`. The salt keys the request's prefix-cache pages (orca_jax/prefix_cache.py):
+carry a `cache_salt`. The salt keys the request's prefix-cache pages (orca_jax/core/prefix_cache.py):
 requests share cached pages only when their salts are equal (none being one value), so a
 tenant's prompts cannot be timed against another's cache.
 """
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.outputs import CompletionOutput, RequestOutput
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.sequence import Sequence
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.sequence import Sequence
 
 
 # The keys of a prompt dict this engine serves (vLLM's TextPrompt and TokensPrompt, without the

@@ -43,11 +43,11 @@ from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_dev
 from orca_jax.compilation_cache import active_cache_dir
 from orca_jax.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
+from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
 from orca_jax.sampling import SampleOutput, sample
 from orca_jax.spec_decode.rejection import verify_drafts
-from orca_jax.scheduler import ScheduledBatch
+from orca_jax.core.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

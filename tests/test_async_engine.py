@@ -357,7 +357,7 @@ def test_merged_outputs_from_make_output_add_up_in_every_kind(engine):
     from orca_jax.async_engine import RequestStream
     from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
     from orca_jax.request import Request, make_output
-    from orca_jax.sequence import Sequence, SequenceStatus
+    from orca_jax.core.sequence import Sequence, SequenceStatus
 
     tok = engine.tokenizer
     ids = tok.encode(" The quick brown fox jumps", add_special_tokens=False)

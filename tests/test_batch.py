@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from orca_jax.batch import Batch, build_batch, empty_batch, token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kernels.testing import ragged_metadata
-from orca_jax.kv_cache import PADDING_PAGE, PageAllocator
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import ScheduledBatch, Scheduler
-from orca_jax.sequence import Sequence
+from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import ScheduledBatch, Scheduler
+from orca_jax.core.sequence import Sequence
 
 MODEL = ModelConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

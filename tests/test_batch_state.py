@@ -25,12 +25,12 @@ from orca_jax.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS, ROW_SA
                                   create_device_state, create_token_counts, empty_step_inputs, expand,
                                   page_write_capacity, record_sampled)
 from orca_jax.config import MAX_CACHED_PAGES_PER_STEP, EngineConfig, ModelConfig
-from orca_jax.kv_cache import PADDING_PAGE, PageAllocator
+from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
 from orca_jax.runner import PendingStep
 from orca_jax.sampling import SampleOutput
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import ScheduledBatch, Scheduler, SlotAllocator
-from orca_jax.sequence import Sequence
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import ScheduledBatch, Scheduler, SlotAllocator
+from orca_jax.core.sequence import Sequence
 
 V = 64
 MODEL = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

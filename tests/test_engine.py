@@ -13,7 +13,7 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.compile_guard import compile_count, no_compiles
 from orca_jax.engine import LLMEngine
-from orca_jax.sequence import SequenceStatus
+from orca_jax.core.sequence import SequenceStatus
 
 PROMPT = "The quick brown fox"
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.prefix_cache import hash_page
-from orca_jax.kv_cache import (
+from orca_jax.core.prefix_cache import hash_page
+from orca_jax.core.kv_cache import (
     PADDING_PAGE,
     PageAllocator,
     choose_num_pages,
@@ -288,13 +288,13 @@ def test_a_pool_shorter_than_the_models_context_lowers_it_and_says_so(caplog):
     assert config.max_model_len == MODEL.max_position_embeddings
     num_pages = choose_num_pages(config, MODEL, jnp.float32)
     assert num_pages == 101
-    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+    with caplog.at_level("WARNING", logger="orca_jax.core.kv_cache"):
         fitted = fit_context_to_pool(config, num_pages)
     assert fitted.max_model_len == 800
     assert "max_model_len lowered from 4096" in caplog.text and "800" in caplog.text
 
     caplog.clear()
     roomy = EngineConfig(page_size=8, kv_cache_memory_bytes=600 * per_page).resolve(MODEL)
-    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+    with caplog.at_level("WARNING", logger="orca_jax.core.kv_cache"):
         assert fit_context_to_pool(roomy, choose_num_pages(roomy, MODEL, jnp.float32)) == roomy
     assert not caplog.text

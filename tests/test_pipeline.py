@@ -1,5 +1,5 @@
 """Pipeline parallelism (orca_jax/pipeline.py) and Orca's rule for batches in flight
-(orca_jax/scheduler.py).
+(orca_jax/core/scheduler.py).
 
 The pipelined engines need several devices, and JAX fixes the device count when it starts,
 while this suite runs on one: tests/pipeline_worker.py runs them in a subprocess on 8 forced
@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 from orca_jax.bench.stage_overlap import analyze, stage_intervals
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import PageAllocator
+from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.pipeline_layout import slice_stage_params, stage_layer_ranges
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import Scheduler
-from orca_jax.sequence import Sequence
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import Scheduler
+from orca_jax.core.sequence import Sequence
 
 MODEL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, max_position_embeddings=4096)

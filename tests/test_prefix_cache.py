@@ -1,4 +1,4 @@
-"""Prefix caching: the page hashes (orca_jax/prefix_cache.py), and the engine on the tiny random
+"""Prefix caching: the page hashes (orca_jax/core/prefix_cache.py), and the engine on the tiny random
 Llama giving, with caching on, token for token the outputs it gives with caching off (greedy
 and seeded) while computing fewer prompt tokens: many requests on one long prefix, prefixes
 ending mid-page, a prompt that is exactly a cached prefix, n = 4, a multi-turn chat, a tiny
@@ -18,7 +18,7 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.compile_guard import compile_count, no_compiles
 from orca_jax.errors import RequestError
-from orca_jax.prefix_cache import extend_page_hashes, hash_page
+from orca_jax.core.prefix_cache import extend_page_hashes, hash_page
 
 
 # ---- hashes --------------------------------------------------------------------------------

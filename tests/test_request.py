@@ -8,7 +8,7 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.request import Request, make_output
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.sequence import Sequence, SequenceStatus
 
 KINDS = ("cumulative", "delta", "final_only")
 

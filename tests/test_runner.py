@@ -69,7 +69,7 @@ def test_max_model_len_is_the_models_when_the_pool_holds_one_sequence(tiny_engin
     """The tiny model declares 512 positions: 64 pages of 8 (plus the padding page) hold one."""
     engine = tiny_engine_factory(**dict(SMALL, max_model_len=None, num_pages=65), warmup=False)
     assert engine.config.max_model_len == 512 == engine.model_config.max_position_embeddings
-    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+    with caplog.at_level("WARNING", logger="orca_jax.core.kv_cache"):
         small = tiny_engine_factory(**dict(SMALL, max_model_len=None, num_pages=24), warmup=False)
     assert small.config.max_model_len == 23 * 8
     assert small.scheduler.config.max_model_len == 23 * 8 and small.runner.config is small.config
@@ -83,7 +83,7 @@ def test_max_model_len_is_the_models_when_the_pool_holds_one_sequence(tiny_engin
 
 
 def test_an_explicit_max_model_len_longer_than_the_pool_is_kept_with_a_warning(tiny_engine_factory, caplog):
-    with caplog.at_level("WARNING", logger="orca_jax.kv_cache"):
+    with caplog.at_level("WARNING", logger="orca_jax.core.kv_cache"):
         engine = tiny_engine_factory(**dict(SMALL, max_model_len=256, num_pages=24), warmup=False)
     assert engine.config.max_model_len == 256
     assert "max_model_len 256 is longer than the KV pool (24 pages, 184 tokens)" in caplog.text

@@ -9,7 +9,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax.errors import RequestError
-from orca_jax.sampling_params import MIN_TEMPERATURE
+from orca_jax.core.sampling_params import MIN_TEMPERATURE
 
 # vLLM's SamplingParams defaults for the fields orca_jax shares (stop / stop_token_ids are
 # normalised to empty lists, as vLLM does).
@@ -127,7 +127,7 @@ def test_large_integers_are_accepted_where_they_keep_a_meaning():
 
 
 def test_output_kind_defaults_to_cumulative_and_takes_vllms_three_kinds():
-    from orca_jax.sampling_params import OUTPUT_KINDS
+    from orca_jax.core.sampling_params import OUTPUT_KINDS
 
     assert SamplingParams().output_kind == "cumulative"  # vLLM's default, RequestOutputKind.CUMULATIVE
     assert OUTPUT_KINDS == ("cumulative", "delta", "final_only")

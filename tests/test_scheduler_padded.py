@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from orca_jax.batch import token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import PageAllocator
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import Scheduler
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.kv_cache import PageAllocator
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import Scheduler
+from orca_jax.core.sequence import Sequence, SequenceStatus
 from orca_jax.step import recompute_running
 
 MODEL = ModelConfig(

@@ -88,7 +88,7 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
     import jax
 
     from orca_jax.compile_guard import compile_count
-    from orca_jax.kv_cache import kv_bytes_per_page
+    from orca_jax.core.kv_cache import kv_bytes_per_page
 
     engine = llm.engine
     start = time.perf_counter()  # untimed warm-up through the whole host path

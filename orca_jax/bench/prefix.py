@@ -185,10 +185,10 @@ def scheduler_seconds_per_step(config, trace: Trace, repeats: int = 5) -> float:
     model that samples token 0 and retires each request at its drawn length: what prefix
     caching adds on the host (hashing pages, lookups, publishing) without the device's noise.
     The best of `repeats` runs."""
-    from orca_jax.kv_cache import PageAllocator
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.scheduler import Scheduler
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.kv_cache import PageAllocator
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.scheduler import Scheduler
+    from orca_jax.core.sequence import Sequence
 
     best = float("inf")
     for _ in range(repeats):

@@ -232,7 +232,7 @@ def build(s: QuantSettings, label: str):
 def memory_numbers(llm, s: QuantSettings) -> dict[str, Any]:
     import jax
 
-    from orca_jax.kv_cache import kv_bytes_per_page
+    from orca_jax.core.kv_cache import kv_bytes_per_page
 
     engine, runner = llm.engine, llm.engine.runner
     page_size = engine.config.page_size

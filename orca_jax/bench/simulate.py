@@ -59,8 +59,8 @@ def scheduler_for(cost: CostModel, policy: str, max_model_len: int, num_pages: i
     the cost model's shape (GPT-3 style: multi-head attention, a 4x MLP), with the cost model's
     pipeline stages (`pipeline_parallel_size`: Orca's rule on sequences in flight)."""
     from orca_jax.config import EngineConfig, ModelConfig
-    from orca_jax.kv_cache import PageAllocator
-    from orca_jax.scheduler import Scheduler
+    from orca_jax.core.kv_cache import PageAllocator
+    from orca_jax.core.scheduler import Scheduler
 
     e, m = cost.engine, cost.model
     model = ModelConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
@@ -162,7 +162,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
     next is scheduled). `check_step(scheduler, in_flight)`, if given, is called after every
     dispatch with the steps in flight (tests)."""
     from orca_jax import SamplingParams
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.sequence import Sequence
 
     stages = cost.num_stages
     depth = stages if batches_in_flight is None else batches_in_flight

@@ -174,7 +174,7 @@ class EngineConfig:
     max_logprobs: int = 20
     # Automatic prefix caching (vLLM's default): full KV pages are kept under the hash of their
     # tokens and the tokens before them, and a new sequence starts after the longest prefix
-    # found (orca_jax.prefix_cache). Only the iteration-level policy looks prefixes up.
+    # found (orca_jax.core.prefix_cache). Only the iteration-level policy looks prefixes up.
     enable_prefix_caching: bool = True
     min_token_bucket: int = 8
     seed: int = 0

@@ -30,12 +30,12 @@ import logging
 import jax
 
 from orca_jax.config import EngineConfig
-from orca_jax.kv_cache import PageAllocator
+from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
 from orca_jax.runner import ModelRunner, WarmupReport
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import ScheduledBatch, SlotAllocator
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import ScheduledBatch, SlotAllocator
+from orca_jax.core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -285,10 +285,10 @@ def model_logits_at_every_position(loaded, prompts: list[list[int]]) -> list[np.
 
     from orca_jax.batch import build_batch
     from orca_jax.config import EngineConfig
-    from orca_jax.kv_cache import PageAllocator
+    from orca_jax.core.kv_cache import PageAllocator
     from orca_jax.models import architecture
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.sequence import Sequence
 
     c, page_size, num_pages = loaded.config, 8, 16
     engine_config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=64, page_size=page_size,

@@ -111,7 +111,7 @@ def test_a_target_that_took_its_first_draft_without_verifying_still_gets_a_propo
     """The target decoded one token on its own (drafts cut by the budget, or an overlapped
     step), and it was the first draft the shadow had fed: the shadow's cache then covers every
     token, yet its last token is fed again, since its logits give the next draft."""
-    from orca_jax.sequence import Sequence, SequenceStatus
+    from orca_jax.core.sequence import Sequence, SequenceStatus
 
     proposer = engines["self"].speculation.proposer
     target = Sequence(10_000, "direct", 0, [5, 17, 33, 5, 17], greedy(), seed=0)

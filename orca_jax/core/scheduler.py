@@ -23,7 +23,7 @@ per row the sequence, its new tokens, where they start and whether the row sampl
 
 Prefix caching (`EngineConfig.enable_prefix_caching`, iteration-level only): admission looks up
 the longest run of a sequence's full pages already in the cache (`PageAllocator.lookup`, by
-the content hashes of `orca_jax.prefix_cache`), holds those pages and schedules only the
+the content hashes of `orca_jax.core.prefix_cache`), holds those pages and schedules only the
 rest. Every full page is published as soon as its tokens are scheduled, so the next sequence
 admitted, even in the same step, finds it: within a step every layer writes the step's K/V
 before its attention reads any, and later steps run after it on the device. A step that
@@ -44,9 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orca_jax.config import EngineConfig
-from orca_jax.kv_cache import PageAllocator
-from orca_jax.prefix_cache import extend_page_hashes
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.kv_cache import PageAllocator
+from orca_jax.core.prefix_cache import extend_page_hashes
+from orca_jax.core.sequence import Sequence, SequenceStatus
 
 
 class ScheduledBatch:

@@ -8,7 +8,7 @@ and offsets page ids by layer, so the layer scan writes in place into one donate
 Page 0 is never handed out: padding tokens write their K/V there, so a padded step cannot
 touch a page that belongs to a sequence. Pages are held by reference and full pages can be
 published under their content hash, so sequences with a common prefix share its pages
-(`PageAllocator`, `orca_jax.prefix_cache`).
+(`PageAllocator`, `orca_jax.core.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class PageAllocator:
 
     A page is held by reference: a sequence holds every page of its page table once, and
     several sequences hold the same page when they share a cached prefix. A full page whose
-    tokens are in the cache can be *published* under its content hash (`orca_jax.prefix_cache`):
+    tokens are in the cache can be *published* under its content hash (`orca_jax.core.prefix_cache`):
     `lookup` then finds it for a later sequence with the same prefix. A page nobody holds any
     more stays cached if it is published, and is evicted, least recently released first, only
     when a page is needed and none is free; so `num_free` counts free and evictable pages

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from orca_jax.structured.guided_decoding import GuidedState
-from orca_jax.sampling_params import SamplingParams
+from orca_jax.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -51,7 +51,7 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_preemptions: int = 0
     first_token_time: float | None = None
-    # Prefix caching (orca_jax.prefix_cache): its request's salt (vLLM's cache_salt, which keys
+    # Prefix caching (orca_jax.core.prefix_cache): its request's salt (vLLM's cache_salt, which keys
     # its first page's hash and so every page: only sequences of one salt share pages), the
     # content hashes of the full pages of its known tokens so far (they stay valid across
     # preemption: the tokens do not change), how many of page_ids are published or were found
