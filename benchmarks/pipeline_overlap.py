@@ -1,5 +1,5 @@
 """Do the batches in flight of a pipeline really overlap? Forced host devices, a random Llama
-model, the stage clock on (orca_jax/pipeline.py: StageTimeline), analysed by
+model, the stage clock on (orca_jax/worker/pipeline.py: StageTimeline), analysed by
 orca_jax/bench/stage_overlap.py.
 
     python benchmarks/pipeline_overlap.py [--json docs/pipeline_cpu.json] [--layouts 2x1,4x1,2x2]

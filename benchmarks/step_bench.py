@@ -143,7 +143,7 @@ def held_kv_bytes_per_token(engine) -> float:
 def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float, modes: list[str],
         with_reference: bool = True, on_row=lambda row: None, quantization: str | None = None,
         kv_cache_dtype: str = "auto") -> list[dict]:
-    from orca_jax.compile_guard import no_compiles
+    from orca_jax.worker.compile_guard import no_compiles
     from orca_jax.engine import LLMEngine
 
     path = write_random_checkpoint(workdir / "llama-1b", LLAMA_3_2_1B, "bfloat16")

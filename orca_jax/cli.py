@@ -194,7 +194,7 @@ def _served_model_name(args, config: EngineConfig) -> str:
 
 
 def cmd_serve(args) -> int:
-    from orca_jax import multihost
+    from orca_jax.worker import multihost
     from orca_jax.engine import LLMEngine
     from orca_jax.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, serve
 

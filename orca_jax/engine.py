@@ -8,7 +8,7 @@
 With `async_scheduling` (the default) one step stays in flight: step N+1 is dispatched before
 step N is completed, so the device runs N+1 while the host postprocesses N and then schedules
 and builds N+2. The device feeds each sampled token to the next step itself (the persistent
-batch state, orca_jax/batch_state.py), so N+1 needs nothing from N's result. A sequence that
+batch state, orca_jax/worker/batch_state.py), so N+1 needs nothing from N's result. A sequence that
 N ends (EOS, stop string, max tokens) has one more token computed in N+1; postprocess discards
 it, and its pages were freed with the sequence. With async_scheduling=False each call
 dispatches a step and completes it: the same tokens, one step at a time.
@@ -32,9 +32,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 import numpy as np
 
-from orca_jax import multihost
+from orca_jax.worker import multihost
 from orca_jax.distributed import parallel
-from orca_jax.compilation_cache import active_cache_dir, configure_for_process
+from orca_jax.worker.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig
 from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
@@ -46,9 +46,9 @@ from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import Request, make_output, split_prompt
-from orca_jax.pipeline import PipelineRunner
-from orca_jax.pipeline_layout import make_pipeline_mesh
-from orca_jax.runner import ModelRunner
+from orca_jax.worker.pipeline import PipelineRunner
+from orca_jax.worker.pipeline_layout import make_pipeline_mesh
+from orca_jax.worker.runner import ModelRunner
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence
@@ -91,7 +91,7 @@ class LLMEngine:
     """`make_runner` is the seam between the host loop and the device: called as
     `make_runner(model_config, config, params, attention_impl, mesh, channel)`, it returns the
     `EngineRunner` the engine steps (default: the compiled model, `ModelRunner`, or with
-    pipeline_parallel_size > 1 its stages, `orca_jax.pipeline.PipelineRunner`). Tests pass
+    pipeline_parallel_size > 1 its stages, `orca_jax.worker.pipeline.PipelineRunner`). Tests pass
     `functools.partial(ModelRunner, keep_logits=True)` to see each step's logits in
     `last_step.output`, or a wrapper to observe or fail batches."""
 
@@ -112,7 +112,7 @@ class LLMEngine:
         # process 0 (this engine's scheduler) hands every batch to the others.
         mesh = None
         pipelined = self.config.pipeline_parallel_size > 1
-        if pipelined:  # a stage x model mesh; each stage a row (orca_jax/pipeline.py)
+        if pipelined:  # a stage x model mesh; each stage a row (orca_jax/worker/pipeline.py)
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
             mesh = make_pipeline_mesh(self.config.pipeline_parallel_size, self.config.tensor_parallel_size)
         elif self.config.tensor_parallel_size > 1 or jax.process_count() > 1:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from orca_jax.config import EngineConfig
-from orca_jax.sampling import SampleOutput
+from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.scheduler import ScheduledBatch, Scheduler, StepUpdate, StopRule
 from orca_jax.step_timing import StepTiming, StepTimeline
 
 if TYPE_CHECKING:  # the runner module imports the models; the protocol only names its report
-    from orca_jax.runner import WarmupReport
+    from orca_jax.worker.runner import WarmupReport
 
 
 class PendingResult(Protocol):

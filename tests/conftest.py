@@ -242,7 +242,7 @@ def logits_engine(**settings):
     import functools
 
     from orca_jax.engine import LLMEngine
-    from orca_jax.runner import ModelRunner
+    from orca_jax.worker.runner import ModelRunner
 
     settings.setdefault("async_scheduling", False)
     return LLMEngine(make_runner=functools.partial(ModelRunner, keep_logits=True), **settings)

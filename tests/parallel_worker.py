@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
 from orca_jax.engine import LLMEngine  # noqa: E402
-from orca_jax.runner import ModelRunner  # noqa: E402
+from orca_jax.worker.runner import ModelRunner  # noqa: E402
 
 # One token bucket (16) and no warm-up: one program per engine, its step keeping the logits.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,

@@ -20,7 +20,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.compile_guard import compile_count  # noqa: E402
+from orca_jax.worker.compile_guard import compile_count  # noqa: E402
 from orca_jax.engine import LLMEngine  # noqa: E402
 from orca_jax.structured.structured_outputs import StructuredOutputsParams  # noqa: E402
 
@@ -115,7 +115,7 @@ def restore_per_stage(model: str, ckpt: str, pp: int, tp: int) -> dict:
 
     from orca_jax.loading.checkpoint import open_checkpoint
     from orca_jax.loading.convert import convert
-    from orca_jax.pipeline_layout import make_pipeline_mesh, slice_stage_params, stage_layer_ranges, stage_mesh
+    from orca_jax.worker.pipeline_layout import make_pipeline_mesh, slice_stage_params, stage_layer_ranges, stage_mesh
 
     convert(model, ckpt)
     checkpoint = open_checkpoint(ckpt)

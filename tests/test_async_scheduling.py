@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=20, max_model_len=128)
 

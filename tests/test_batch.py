@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_jax.batch import Batch, build_batch, empty_batch, token_bucket
+from orca_jax.worker.batch import Batch, build_batch, empty_batch, token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kernels.testing import ragged_metadata
 from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator

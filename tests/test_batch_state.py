@@ -1,4 +1,4 @@
-"""The persistent batch (orca_jax/batch_state.py): BatchState.build on the host and expand on
+"""The persistent batch (orca_jax/worker/batch_state.py): BatchState.build on the host and expand on
 the device must give, step after step, the Batch that build_batch (the numpy reference) builds
 from the same schedule, while the per-slot device state (page tables, last tokens, penalty
 counts) is carried from step to step as the runner carries it.
@@ -20,14 +20,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_jax.batch import build_batch
-from orca_jax.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS, ROW_SAMPLES, BatchState, StepInputs,
+from orca_jax.worker.batch import build_batch
+from orca_jax.worker.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS, ROW_SAMPLES, BatchState, StepInputs,
                                   create_device_state, create_token_counts, empty_step_inputs, expand,
                                   page_write_capacity, record_sampled)
 from orca_jax.config import MAX_CACHED_PAGES_PER_STEP, EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
-from orca_jax.runner import PendingStep
-from orca_jax.sampling import SampleOutput
+from orca_jax.worker.runner import PendingStep
+from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import ScheduledBatch, Scheduler, SlotAllocator
 from orca_jax.core.sequence import Sequence

@@ -15,15 +15,15 @@ import jax
 import pytest
 
 from orca_jax.cache_dirs import CACHE_DIR_ENV
-from orca_jax.compilation_cache import active_cache_dir, enable_compilation_cache
+from orca_jax.worker.compilation_cache import active_cache_dir, enable_compilation_cache
 
 # A fresh process (the cache is process-wide): start an engine, serve one request, and report
 # every program built since orca_jax was imported.
 _CHILD = """
 import json, sys
 from orca_jax import LLMEngine, SamplingParams
-from orca_jax.compilation_cache import active_cache_dir
-from orca_jax.compile_guard import compile_counts
+from orca_jax.worker.compilation_cache import active_cache_dir
+from orca_jax.worker.compile_guard import compile_counts
 kwargs = json.loads(sys.argv[1])
 engine = LLMEngine(**kwargs)
 after_warmup = compile_counts()
@@ -98,7 +98,7 @@ def test_an_unusable_directory_is_a_warning_and_changes_nothing(tmp_path, caplog
     before = active_cache_dir()
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="orca_jax.compilation_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.worker.compilation_cache"):
         assert not enable_compilation_cache(blocker / "xla")
     assert "is not usable" in caplog.text and str(blocker / "xla") in caplog.text
     assert active_cache_dir() == before
@@ -107,12 +107,12 @@ def test_an_unusable_directory_is_a_warning_and_changes_nothing(tmp_path, caplog
 def test_the_process_keeps_the_first_engines_cache(tmp_path, caplog, restore_cache_dir):
     """JAX's cache is per process: an engine's setting applies only while none is active; a
     later engine asking for another directory, or for none, is told and changes nothing."""
-    from orca_jax.compilation_cache import configure_for_process
+    from orca_jax.worker.compilation_cache import configure_for_process
 
     jax.config.update("jax_compilation_cache_dir", None)
     assert configure_for_process(None) is None and active_cache_dir() is None
     assert configure_for_process(tmp_path / "first") == str(tmp_path / "first")
-    with caplog.at_level(logging.WARNING, logger="orca_jax.compilation_cache"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.worker.compilation_cache"):
         assert configure_for_process(tmp_path / "first") == str(tmp_path / "first")
         assert not caplog.records, "asking for the active directory is quiet"
         assert configure_for_process(tmp_path / "second") == str(tmp_path / "first")

@@ -1,4 +1,4 @@
-"""Multi-host serving (orca_jax/multihost.py): two `orca-jax serve` processes joined by
+"""Multi-host serving (orca_jax/worker/multihost.py): two `orca-jax serve` processes joined by
 jax.distributed on 127.0.0.1 (CPU collectives over gloo), one device each, tensor parallel over
 both. Process 0 serves HTTP and schedules; process 1 runs the same steps. Their outputs must
 equal one process's, and SIGTERM to the leader must end both."""
@@ -131,7 +131,7 @@ def test_serve_flags_parse():
     ({"TPU_WORKER_HOSTNAMES": "localhost"}, (None, None), False),  # single-host TPU VM
 ])
 def test_distributed_start_is_wanted_only_when_asked(monkeypatch, env, flags, wanted):
-    from orca_jax import multihost
+    from orca_jax.worker import multihost
 
     for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
         monkeypatch.delenv(name, raising=False)
@@ -143,7 +143,7 @@ def test_distributed_start_is_wanted_only_when_asked(monkeypatch, env, flags, wa
 def test_no_step_is_sent_after_stop(monkeypatch):
     """Once the followers were told to stop, a late step raises instead of broadcasting to
     processes that already left (which would hang); stop itself is sent once."""
-    from orca_jax import multihost
+    from orca_jax.worker import multihost
     from orca_jax.config import EngineConfig
 
     sent = []

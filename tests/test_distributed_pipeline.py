@@ -1,4 +1,4 @@
-"""Pipeline stages across processes (orca_jax/pipeline.py, orca_jax/multihost.py): two
+"""Pipeline stages across processes (orca_jax/worker/pipeline.py, orca_jax/worker/multihost.py): two
 `orca-jax serve` processes joined by jax.distributed on 127.0.0.1 (CPU collectives over gloo),
 one CPU device each, `--pipeline-parallel-size 2`: stage 0 (embedding, first layer) on process
 0, which serves HTTP and schedules; stage 1 (second layer, head, sampling) on process 1. The
@@ -101,7 +101,7 @@ def _fake_mesh(processes_per_row: list[list[int]]):
 
 
 def test_each_stage_belongs_to_one_process():
-    from orca_jax.pipeline_layout import stage_processes
+    from orca_jax.worker.pipeline_layout import stage_processes
 
     assert stage_processes(_fake_mesh([[0, 0], [1, 1]])) == [0, 1]
     assert stage_processes(_fake_mesh([[0], [0], [1], [1]])) == [0, 0, 1, 1]
@@ -112,7 +112,7 @@ def test_each_stage_belongs_to_one_process():
 def test_a_multi_process_pipeline_uses_every_device(monkeypatch):
     import jax
 
-    from orca_jax import pipeline
+    from orca_jax.worker import pipeline
 
     monkeypatch.setattr(pipeline.jax, "process_count", lambda: 2)
     device = jax.devices()[0]
@@ -147,8 +147,8 @@ def dist_model_config():
 def test_steps_cross_the_key_value_store_whole_and_in_order(monkeypatch):
     """Each step one value under its number; the token bitmask only with a guided row (the
     receiver fills in all ones); stop ends the receiver's loop; old steps are deleted."""
-    from orca_jax import multihost
-    from orca_jax.batch_state import ROW_GUIDED, empty_step_inputs
+    from orca_jax.worker import multihost
+    from orca_jax.worker.batch_state import ROW_GUIDED, empty_step_inputs
     from orca_jax.config import EngineConfig
 
     store = FakeKeyValueStore()

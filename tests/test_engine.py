@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.engine import LLMEngine
 from orca_jax.core.sequence import SequenceStatus
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import no_compiles
+from orca_jax.worker.compile_guard import no_compiles
 from orca_jax.errors import RequestError
 from orca_jax.structured.guided_decoding import GrammarCompiler
 from orca_jax.structured.structured_outputs import StructuredOutputsParams as Constraint

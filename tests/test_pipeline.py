@@ -1,4 +1,4 @@
-"""Pipeline parallelism (orca_jax/pipeline.py) and Orca's rule for batches in flight
+"""Pipeline parallelism (orca_jax/worker/pipeline.py) and Orca's rule for batches in flight
 (orca_jax/core/scheduler.py).
 
 The pipelined engines need several devices, and JAX fixes the device count when it starts,
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from orca_jax.bench.stage_overlap import analyze, stage_intervals
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PageAllocator
-from orca_jax.pipeline_layout import slice_stage_params, stage_layer_ranges
+from orca_jax.worker.pipeline_layout import slice_stage_params, stage_layer_ranges
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.errors import RequestError
 from orca_jax.core.prefix_cache import extend_page_hashes, hash_page
 

@@ -9,8 +9,8 @@ import jax
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax import runner as runner_module
-from orca_jax.compile_guard import compile_counts, no_compiles
+from orca_jax.worker import runner as runner_module
+from orca_jax.worker.compile_guard import compile_counts, no_compiles
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=8, page_size=8, num_pages=64, max_model_len=128)
 

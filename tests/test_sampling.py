@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.batch import SamplingInputs
-from orca_jax.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, apply_token_bitmask, greedy,
+from orca_jax.worker.batch import SamplingInputs
+from orca_jax.worker.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, apply_token_bitmask, greedy,
                                 inverse_cdf, sample, truncates, truncation_cutoffs)
 
 MAX_LOGPROBS = 5

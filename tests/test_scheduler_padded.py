@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_jax.batch import token_bucket
+from orca_jax.worker.batch import token_bucket
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.core.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.async_engine import AsyncLLMEngine
-from orca_jax.compile_guard import no_compiles
+from orca_jax.worker.compile_guard import no_compiles
 from orca_jax.engine import LLMEngine
 from orca_jax.server import ServerSettings, build_app
 

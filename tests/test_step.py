@@ -10,9 +10,9 @@ import pytest
 from orca_jax import SamplingParams
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PageAllocator
-from orca_jax.batch import build_batch
-from orca_jax.runner import ModelRunner
-from orca_jax.sampling import SampleOutput
+from orca_jax.worker.batch import build_batch
+from orca_jax.worker.runner import ModelRunner
+from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence, SequenceStatus
 from orca_jax.step import Ready, StepFailed, complete_step, dispatch_step, recompute_running, run_step

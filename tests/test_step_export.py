@@ -1,4 +1,4 @@
-"""Exported step programs (`orca_jax.step_export`): a runner that reads its steps back from the
+"""Exported step programs (`orca_jax.worker.step_export`): a runner that reads its steps back from the
 files traces nothing, compiles nothing after warm-up, updates the KV cache in place, and gives
 exactly the tokens and logits of the plain traced step; anything that determines the program
 changes the file's name, and a damaged file is exported again."""
@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from orca_jax import SamplingParams, step_export
-from orca_jax import runner as runner_module
-from orca_jax.compile_guard import no_compiles
+from orca_jax import SamplingParams
+from orca_jax.worker import step_export
+from orca_jax.worker import runner as runner_module
+from orca_jax.worker.compile_guard import no_compiles
 from orca_jax.engine import LLMEngine
-from orca_jax.runner import ModelRunner
+from orca_jax.worker.runner import ModelRunner
 
 SETTINGS = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=8, page_size=8, num_pages=32,
                 max_model_len=64, async_scheduling=False)
@@ -99,7 +100,7 @@ def test_a_damaged_file_is_exported_again(tiny_llama_dir, exports_dir, traces, c
     files = list((first.runner._exports.directory).glob("*" + step_export.SUFFIX))
     for f in files:
         f.write_bytes(f.read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="orca_jax.step_export"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.worker.step_export"):
         tokens, _, again = _run(tiny_llama_dir)
     assert "cannot be used" in caplog.text and again.runner._exports.loaded == []
     assert tokens == expected and len(traces) == 4
@@ -151,7 +152,7 @@ def test_a_step_jax_export_refuses_is_lowered_as_traced(tiny_llama_dir, exports_
         raise ValueError("custom call not guaranteed stable")
 
     monkeypatch.setattr(jax.export, "export", refuse)
-    with caplog.at_level(logging.WARNING, logger="orca_jax.step_export"):
+    with caplog.at_level(logging.WARNING, logger="orca_jax.worker.step_export"):
         tokens, _, engine = _run(tiny_llama_dir)
     assert "refused" in caplog.text and engine.runner._exports.refused.startswith("ValueError")
     assert len(tokens) == len(PROMPTS) and all(len(t) == 5 for t in tokens)

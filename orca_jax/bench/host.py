@@ -287,7 +287,7 @@ def warm_up(engine, feeder: RequestFeeder, cell: Cell, limit: int) -> int:
 
 
 def run_cell(engine, cell: Cell, mode: str, s: HostSettings) -> dict[str, Any]:
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     timeline = engine.timeline
     feeder = RequestFeeder(engine, cell.mix, s.prompt_len, f"{mode}-{cell.label}".replace(" ", "-"),

@@ -87,7 +87,7 @@ def start_orca(s: OfflineSettings) -> dict[str, Any]:
 def run_orca(llm, trace: Trace) -> dict[str, Any]:
     import jax
 
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
     from orca_jax.core.kv_cache import kv_bytes_per_page
 
     engine = llm.engine

@@ -99,7 +99,7 @@ def trace_for(engine, s: SweepSettings) -> Trace:
 
 def timed_run(engine, trace: Trace, hold_until_batch_ends: bool = False) -> dict:
     """One open-loop run; the summary plus what the engine did (steps, preemptions, compiles)."""
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     compiles, steps, preemptions = compile_count(), engine.num_steps, engine.scheduler.num_preemptions
     timings = run_open_loop(engine, trace, hold_until_batch_ends=hold_until_batch_ends)

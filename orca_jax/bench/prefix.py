@@ -112,7 +112,7 @@ def build_engines(s: PrefixSettings) -> dict[bool, Any]:
 
 def timed_run(engine, trace: Trace) -> dict[str, Any]:
     """One open-loop run with the cache emptied first; summary, prompt tokens computed, hits."""
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     engine.reset_prefix_cache()
     compiles, hits, steps = compile_count(), engine.scheduler.prefix_cache_hits, engine.num_steps

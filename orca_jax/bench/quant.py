@@ -280,7 +280,7 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> d
     last one; tok/s = tokens made in that span / its length. Each request's token ids under
     "tokens" (popped by the caller)."""
     from orca_jax import SamplingParams
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     n = len(prompts)

@@ -44,7 +44,7 @@ from orca_jax.bench.driver import BatchReturns, holds_until_batch_ends
 from orca_jax.bench.latency import RequestTiming, summarize
 from orca_jax.bench.orca import BASELINE_KEYS, POLICIES, analyze
 from orca_jax.bench.trace import Trace, make_trace
-from orca_jax.sampling import SampleOutput
+from orca_jax.worker.sampling import SampleOutput
 from orca_jax.step import Ready, complete_step, dispatch_step
 
 # Orca, section 6.2, GPT-3 175B on 16 A100s: at a median normalized latency of 190 ms/token,

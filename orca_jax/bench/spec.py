@@ -277,7 +277,7 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
     times, counters, step timeline sums, and each request's token ids (key "tokens", popped by
     the caller after the comparison)."""
     from orca_jax import SamplingParams
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
     from orca_jax.step_timing import derive
 
     n = len(requests)

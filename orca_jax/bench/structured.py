@@ -273,7 +273,7 @@ def warm_up(engine, prompt: list[int], s: StructuredSettings) -> None:
 def timed_run(engine, prompts: list[list[int]], num_constrained: int, s: StructuredSettings, tag: str) -> dict[str, Any]:
     """All prompts at t=0, the first `num_constrained` under the schema; throughput, decode
     step times and their breakdown, mask fill times, and the outputs checked."""
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
     from orca_jax.step_timing import derive
 
     num_seqs = len(prompts)
@@ -383,7 +383,7 @@ def masking_alone(num_seqs: int, vocab_size: int, repeats: int = 20) -> dict[str
     import jax.numpy as jnp
 
     from orca_jax.structured.guided_decoding import bitmask_words
-    from orca_jax.sampling import apply_token_bitmask
+    from orca_jax.worker.sampling import apply_token_bitmask
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((num_seqs, vocab_size), np.float32))

@@ -34,7 +34,7 @@ Tokens are counted when they are scheduled (as vLLM V1 does): `num_computed_toke
 `postprocess` appends the token. So a sequence can be scheduled again while its last token is
 still on the device (overlapped steps, `orca_jax.engine`); with one step at a time nothing is
 pending between steps. Each running sequence holds a slot, its row of the persistent batch
-state on the device (`orca_jax.batch_state`).
+state on the device (`orca_jax.worker.batch_state`).
 """
 
 from __future__ import annotations
@@ -377,7 +377,7 @@ class Scheduler:
     # ---- prefix caching ----------------------------------------------------------------------
     def _looks_up(self, seq: Sequence) -> bool:
         """Whether admission looks a sequence's prefix up. Not with penalties: they count the
-        tokens a step feeds (orca_jax.batch_state), and a cached prefix is not fed."""
+        tokens a step feeds (orca_jax.worker.batch_state), and a cached prefix is not fed."""
         return bool(self.config.cached_pages_per_step) and not seq.params.uses_penalties
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -43,7 +43,7 @@ class Sequence:
     # write them.
     num_in_flight: int = 0
     pages_in_flight: list[int] = field(default_factory=list)
-    slot: int | None = None  # row of the persistent batch state while running (orca_jax.batch_state)
+    slot: int | None = None  # row of the persistent batch state while running (orca_jax.worker.batch_state)
     slot_joined: bool = False  # the slot is new to this sequence: its device rows must be reset
     step_mark: int = -1  # the last schedule() that gave this sequence a row
     page_ids: list[int] = field(default_factory=list)

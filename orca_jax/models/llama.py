@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
         Returns (logits f32[S, V], kv_cache).
 
-        A pipeline stage (orca_jax.pipeline) runs the layers its cache and weights hold (L is
+        A pipeline stage (orca_jax.worker.pipeline) runs the layers its cache and weights hold (L is
         its share) and only its end of the model: a stage after the first takes the previous
         stage's activations `hidden` [T, D] instead of embedding the tokens, and a stage before
         the last passes `logits_indices=None` and gets (activations [T, D], kv_cache) back. Its

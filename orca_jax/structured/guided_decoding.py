@@ -15,7 +15,7 @@ each constrained sequence gets a matcher, and each step gets one token bitmask.
                                        all ones for free rows; the matchers' masks are
                                        computed in parallel, in Rust (fill_token_bitmask)
 
-The step program masks the logits of the rows flagged guided (orca_jax.sampling), so one
+The step program masks the logits of the rows flagged guided (orca_jax.worker.sampling), so one
 compiled program serves every mix of constrained and free rows.
 """
 

@@ -283,7 +283,7 @@ def model_logits_at_every_position(loaded, prompts: list[list[int]]) -> list[np.
     attention), with logits at every position: one [len(prompt), vocab] array per prompt."""
     import jax.numpy as jnp
 
-    from orca_jax.batch import build_batch
+    from orca_jax.worker.batch import build_batch
     from orca_jax.config import EngineConfig
     from orca_jax.core.kv_cache import PageAllocator
     from orca_jax.models import architecture

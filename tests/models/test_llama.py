@@ -178,7 +178,7 @@ def test_attention_soft_cap_reaches_the_kernel():
     import jax
     import jax.numpy as jnp
 
-    from orca_jax.batch import build_batch
+    from orca_jax.worker.batch import build_batch
     from orca_jax.config import EngineConfig, ModelConfig
     from orca_jax.core.kv_cache import PageAllocator
     from orca_jax.models import architecture

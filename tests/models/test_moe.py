@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.config import ModelConfig
 from orca_jax.models import config_from_hf, quantize_params
 from orca_jax.models.moe import SparseMoE, combine, group_by_expert, route

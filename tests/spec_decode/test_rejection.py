@@ -1,4 +1,4 @@
-"""The acceptance rule of speculative decoding (orca_jax/spec_decode/rejection.py), called
+"""The acceptance rule of speculative decoding (orca_jax/worker/rejection.py), called
 directly under jax.jit with hand-made logits, sampling inputs and verify layouts, no engine.
 
 Greedy rows: the accepted prefix is the longest run of drafts equal to the argmax, the first
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orca_jax.batch import SamplingInputs, VerifyLayout
-from orca_jax.sampling import TokenCounts, sample
-from orca_jax.spec_decode.rejection import verify_drafts
+from orca_jax.worker.batch import SamplingInputs, VerifyLayout
+from orca_jax.worker.sampling import TokenCounts, sample
+from orca_jax.worker.rejection import verify_drafts
 
 V = 8
 MAX_LOGPROBS = 3

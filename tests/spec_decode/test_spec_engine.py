@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.spec_decode.proposing import NgramSequenceProposer
 from orca_jax.structured.structured_outputs import StructuredOutputsParams
 

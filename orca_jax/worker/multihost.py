@@ -10,8 +10,8 @@ compiled programs, with the same inputs, in the same order. orca_jax keeps one s
     ...
     StepChannel.send_stop()  ---- key-value store -> receive() -> None: leave the loop, exit
 
-Tensor parallelism (orca_jax.runner.ModelRunner): one program over every device of every
-process, whose all-reduces join them. Pipeline parallelism (orca_jax.pipeline.PipelineRunner):
+Tensor parallelism (orca_jax.worker.runner.ModelRunner): one program over every device of every
+process, whose all-reduces join them. Pipeline parallelism (orca_jax.worker.pipeline.PipelineRunner):
 each process runs its own stages' programs, and the activations and the sampled tokens cross
 between processes by small ppermute programs (`StageLink`); the follower keeps as many steps in
 flight as there are stages.
@@ -24,7 +24,7 @@ Where jax.distributed's client is not available, it falls back to device collect
 (`multihost_utils.broadcast_one_to_all` of a header, then the arrays), which queue behind the
 steps in flight: then across processes the host work does not overlap the device, and a
 pipeline's batches do not overlap each other (docs/parallelism.md has the numbers). Every
-process holds the same persistent batch state (orca_jax.batch_state), updated by the same
+process holds the same persistent batch state (orca_jax.worker.batch_state), updated by the same
 inputs, so a token the leader left on the device resolves on every process. The sampled tokens
 reach the leader (replicated, or by the pipeline's output link); only it reads them. Nothing
 here opens a socket of its own; jax.distributed's coordinator and the backend's collectives
@@ -43,8 +43,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from orca_jax.batch_state import ROW_GUIDED, StepInputs, empty_step_inputs
-from orca_jax.compile_guard import compile_count
+from orca_jax.worker.batch_state import ROW_GUIDED, StepInputs, empty_step_inputs
+from orca_jax.worker.compile_guard import compile_count
 from orca_jax.config import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """A pipeline's hand-over between two stages on different processes (multi-host): one small
-jitted `ppermute` over the two stages' rows of the mesh. orca_jax/pipeline.py says when it is
+jitted `ppermute` over the two stages' rows of the mesh. orca_jax/worker/pipeline.py says when it is
 used; docs/parallelism.md ("Multi-host serving") has the design and measurements.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from orca_jax.pipeline_layout import STAGE_AXIS
+from orca_jax.worker.pipeline_layout import STAGE_AXIS
 
 class StageLink:
     """Values crossing from stage `src`'s row of the mesh to stage `dst`'s row when the two

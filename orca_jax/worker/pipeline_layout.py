@@ -1,6 +1,6 @@
 """Where a pipeline's stages live: the stage x model device mesh, which process owns each
 stage (row), which contiguous slice of the layers each holds, and which of the weights.
-orca_jax/pipeline.py runs them; docs/parallelism.md has the design.
+orca_jax/worker/pipeline.py runs them; docs/parallelism.md has the design.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ applies the same `StepInputs` to it in the same order, so each derives the step'
 itself: only the activations cross between stages. Under Orca's rule the host knows every
 token it feeds (a sequence's batch returned before it is scheduled again), so the first stage
 needs no token from the last (`BatchState.tokens_from_host`). With P = 1 the engine uses
-`orca_jax.runner.ModelRunner`, unchanged. docs/parallelism.md has the design and measurements.
+`orca_jax.worker.runner.ModelRunner`, unchanged. docs/parallelism.md has the design and measurements.
 
 Across processes (multi-host, jax.distributed), each stage's devices belong to one process,
 which alone builds that stage (weights, cache, state, programs). Process 0 schedules and hands
-every step's `StepInputs` to the others (`orca_jax.multihost.StepChannel`); every process then
+every step's `StepInputs` to the others (`orca_jax.worker.multihost.StepChannel`); every process then
 enqueues, in stage order, its own stages' programs and the `StageLink`s it takes part in:
 
     process A (stages ..s)                         process B (stages s+1..)
@@ -63,19 +63,19 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from orca_jax.distributed import parallel
-from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
+from orca_jax.worker.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.loading.checkpoint import place_host_params
-from orca_jax.compile_guard import compile_counts
+from orca_jax.worker.compile_guard import compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import abstract_variables, architecture
-from orca_jax.pipeline_layout import (STAGE_AXIS, make_pipeline_mesh, slice_stage_params, stage_holds,
+from orca_jax.worker.pipeline_layout import (STAGE_AXIS, make_pipeline_mesh, slice_stage_params, stage_holds,
                                       stage_layer_ranges, stage_mesh, stage_processes)
-from orca_jax.runner import PendingStep, WarmupReport, compile_workers
-from orca_jax.sampling import SampleOutput, sample
+from orca_jax.worker.runner import PendingStep, WarmupReport, compile_workers
+from orca_jax.worker.sampling import SampleOutput, sample
 from orca_jax.core.scheduler import ScheduledBatch
-from orca_jax.stage_link import StageLink
+from orca_jax.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
 

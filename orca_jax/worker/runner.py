@@ -2,7 +2,7 @@
 
     step(params, kv_cache, state, inputs) -> (kv_cache, state, SampleOutput)
 
-`state` is the persistent batch (`orca_jax.batch_state.DeviceState`: page tables, last sampled
+`state` is the persistent batch (`orca_jax.worker.batch_state.DeviceState`: page tables, last sampled
 tokens, penalty counts per slot) and `inputs` the step's small `StepInputs`; the program first
 expands them into the step's `Batch`, runs the model, samples, and keeps the sampled tokens in
 the state. Everything the step reads is an argument; the KV cache and the state are donated
@@ -35,18 +35,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from orca_jax import step_export
+from orca_jax.worker import step_export
 from orca_jax.loading import checkpoint
 from orca_jax.distributed import parallel
-from orca_jax.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
+from orca_jax.worker.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
-from orca_jax.compilation_cache import active_cache_dir
-from orca_jax.compile_guard import CompileCounts, compile_counts
+from orca_jax.worker.compilation_cache import active_cache_dir
+from orca_jax.worker.compile_guard import CompileCounts, compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
-from orca_jax.sampling import SampleOutput, sample
-from orca_jax.spec_decode.rejection import verify_drafts
+from orca_jax.worker.sampling import SampleOutput, sample
+from orca_jax.worker.rejection import verify_drafts
 from orca_jax.core.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size
                logits_rows: Callable[[int], int] | None, params, kv_cache, state, inputs: StepInputs):
     """The model on one step, then sampling: (updated kv_cache, updated state, SampleOutput).
     `logits_rows` (speculative decoding: EngineConfig.logits_rows) gives a bucket's output
-    positions; the drafts in the step are then verified (orca_jax.spec_decode.rejection)."""
+    positions; the drafts in the step are then verified (orca_jax.worker.rejection)."""
     num_positions = None if logits_rows is None else logits_rows(inputs.num_tokens)
     state, batch, counts, unresolved = expand(state, inputs, page_size, num_positions)
     logits, kv_cache = model.apply(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)

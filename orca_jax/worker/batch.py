@@ -6,7 +6,7 @@ token, and the per-row sampling parameters. Shapes depend only on the token buck
 through it the sequence bucket S), so each bucket is one program.
 
 The engine's step program builds its Batch on the device, from the persistent per-slot state
-and a small per-step delta (`orca_jax.batch_state.expand`). `build_batch` here builds the same
+and a small per-step delta (`orca_jax.worker.batch_state.expand`). `build_batch` here builds the same
 Batch in numpy from the host's view of the schedule: the reference that expand is tested
 against, and the form hand-made model and kernel tests use.
 """
@@ -27,7 +27,7 @@ from orca_jax.core.kv_cache import PADDING_PAGE
 from orca_jax.core.scheduler import ScheduledBatch
 
 # input_ids entry of a token the host does not hold: a sampled token still on the device (the
-# step program takes it from the persistent batch state, orca_jax.batch_state).
+# step program takes it from the persistent batch state, orca_jax.worker.batch_state).
 PENDING_TOKEN = -1
 # The largest top_k a row carries: past every vocabulary, so a larger one means the same.
 TOP_K_CAP = np.iinfo(np.int32).max

@@ -17,7 +17,7 @@ is): per row its slot, start, length and sampling parameters, the token ids the 
 token is `PENDING_TOKEN`: the device takes it from `last_token`, so a sampled token reaches
 the next step without a trip through the host, which is what lets the engine dispatch step
 N+1 before it has read step N's tokens. `expand` (the first code of the step program) turns
-state + inputs into the same `Batch` that `orca_jax.batch.build_batch` builds in numpy, so the
+state + inputs into the same `Batch` that `orca_jax.worker.batch.build_batch` builds in numpy, so the
 model and kernels are unchanged; build_batch stays as the reference form (tests, simulate).
 
 `BatchState` is the host side: numpy mirrors of what each slot holds (its sampling
@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, VerifyLayout, token_bucket
+from orca_jax.worker.batch import PENDING_TOKEN, TOP_K_CAP, Batch, SamplingInputs, VerifyLayout, token_bucket
 from orca_jax.config import EngineConfig
 from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.core.kv_cache import PADDING_PAGE
-from orca_jax.sampling import TokenCounts
+from orca_jax.worker.sampling import TokenCounts
 from orca_jax.core.scheduler import ScheduledBatch
 
 # row_flags bits.
@@ -81,7 +81,7 @@ class StepInputs:
     row_drafts: np.ndarray
     # i32[S, ceil(V / 32)]: allowed next tokens of ROW_GUIDED rows (all ones elsewhere). The
     # runner sends it only when a row is guided; otherwise a device-resident all-ones array
-    # of the bucket's shape stands in (orca_jax.runner).
+    # of the bucket's shape stands in (orca_jax.worker.runner).
     token_bitmask: np.ndarray
 
     @property

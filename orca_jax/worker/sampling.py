@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from orca_jax.batch import SamplingInputs
+from orca_jax.worker.batch import SamplingInputs
 
 # Candidates a truncating row takes with lax.top_k before falling back to a bisection: enough
 # for common top-k values and for the nucleus of all but the flattest distributions.
@@ -56,16 +56,16 @@ class SampleOutput:
     # f32[S, V], the logits sampled from: only from a runner built with keep_logits (tests).
     logits: jax.Array | None = None
     # i32[]: tokens the step meant to read from the device state but found missing (must be 0;
-    # set by the engine's step program, see orca_jax.batch_state.expand).
+    # set by the engine's step program, see orca_jax.worker.batch_state.expand).
     unresolved_tokens: jax.Array | None = None
     # i32[S]: speculative decoding, the drafts each row accepted (tokens, logprobs and logits are
-    # then per output position, orca_jax.batch.VerifyLayout); None without speculation.
+    # then per output position, orca_jax.worker.batch.VerifyLayout); None without speculation.
     num_accepted: jax.Array | None = None
 
 
 @dataclass(frozen=True)
 class TokenCounts:
-    """What penalties read (the persistent per-slot state of `orca_jax.batch_state`): token
+    """What penalties read (the persistent per-slot state of `orca_jax.worker.batch_state`): token
     counts per slot, and the slot of each row. The [S, V] gather of the rows happens only in
     the branch that applies penalties, so a batch without them pays nothing."""
 

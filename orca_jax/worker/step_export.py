@@ -44,8 +44,8 @@ from typing import Any
 
 import jax
 
-from orca_jax.batch_state import DeviceState, StepInputs
-from orca_jax.sampling import SampleOutput
+from orca_jax.worker.batch_state import DeviceState, StepInputs
+from orca_jax.worker.sampling import SampleOutput
 
 logger = logging.getLogger(__name__)
 

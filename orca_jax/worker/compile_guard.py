@@ -2,13 +2,13 @@
 
 JAX reports every program it builds for a backend through `jax.monitoring`: the event
 `/jax/core/compile/backend_compile_duration` wraps both a real XLA compile and a load from the
-persistent compilation cache (`orca_jax.compilation_cache`), and a load also records
+persistent compilation cache (`orca_jax.worker.compilation_cache`), and a load also records
 `/jax/compilation_cache/cache_hits`. So `programs - cache_hits` is what XLA really compiled.
 A program built after warm-up is a bug either way (a cache load still costs a trace, a
 lowering and a deserialization in the middle of serving), so the guard counts `programs`.
 
 The listeners are registered once per process, at import (they cannot be removed), so the
-counts cover everything built after `orca_jax.compile_guard` was first imported.
+counts cover everything built after `orca_jax.worker.compile_guard` was first imported.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The acceptance rule of speculative decoding, inside the jitted step.
 
-A row that verifies d drafts has d + 1 output positions (orca_jax.batch.VerifyLayout):
+A row that verifies d drafts has d + 1 output positions (orca_jax.worker.batch.VerifyLayout):
 position i holds the target's logits after the row's tokens up to draft i, so it judges draft
 i (i < d) and, past the last draft, gives the bonus token. At every position the target's
 token is drawn exactly as the plain sampler draws it (`sampling.sample`: penalties, mask,
@@ -31,8 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from orca_jax.batch import SamplingInputs, VerifyLayout
-from orca_jax.sampling import SampleOutput, TokenCounts, sample
+from orca_jax.worker.batch import SamplingInputs, VerifyLayout
+from orca_jax.worker.sampling import SampleOutput, TokenCounts, sample
 
 
 def verify_drafts(logits: jax.Array, inputs: SamplingInputs, layout: VerifyLayout, num_rows: int,
