@@ -31,7 +31,7 @@ from orca_jax import SamplingParams  # noqa: E402
 from orca_jax.bench.environment import machine_info, now_utc  # noqa: E402
 from orca_jax.bench.random_model import write_random_checkpoint  # noqa: E402
 from orca_jax.bench.stage_overlap import analyze  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
 
 # Large enough that a stage's compute outweighs dispatching it (about 10 ms per stage here).
 MODEL = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=512,

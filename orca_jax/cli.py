@@ -145,7 +145,7 @@ def _engine_config(args, defaults: dict | None = None) -> EngineConfig:
 
 
 def cmd_generate(args) -> int:
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
     from orca_jax.chat_template import apply_chat_template
 
     # One prompt uses few buckets: compile them as they come rather than all up front. Unless a
@@ -195,7 +195,7 @@ def _served_model_name(args, config: EngineConfig) -> str:
 
 def cmd_serve(args) -> int:
     from orca_jax.worker import multihost
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
     from orca_jax.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, serve
 
     if args.max_waiting_requests is None:

@@ -16,12 +16,12 @@ from tqdm.auto import tqdm
 
 from orca_jax.chat_template import apply_chat_template
 from orca_jax.config import EngineConfig
-from orca_jax.engine import LLMEngine
-from orca_jax.outputs import RequestOutput
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.outputs import RequestOutput
 from orca_jax.core.sampling_params import SamplingParams
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids":
-# ids} (TokensPrompt), either with an optional "cache_salt" (orca_jax/request.py: split_prompt).
+# ids} (TokensPrompt), either with an optional "cache_salt" (orca_jax/engine/request.py: split_prompt).
 Prompt = str | list[int] | dict
 Conversation = list[dict]
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from orca_jax.async_engine import EngineStats
-from orca_jax.outputs import RequestOutput
+from orca_jax.engine.async_engine import EngineStats
+from orca_jax.engine.outputs import RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

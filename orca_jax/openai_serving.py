@@ -34,12 +34,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from orca_jax.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
+from orca_jax.engine.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
                                    RequestStream)
 from orca_jax.errors import RequestError
 from orca_jax.chat_template import apply_chat_template
 from orca_jax.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
-from orca_jax.outputs import CompletionOutput, RequestOutput
+from orca_jax.engine.outputs import CompletionOutput, RequestOutput
 from orca_jax.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
                                bad_request, request_error_to_openai)
 from orca_jax.core.sampling_params import SamplingParams

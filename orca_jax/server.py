@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orca_jax.async_engine import AsyncLLMEngine
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.async_engine import AsyncLLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.metrics import ServerMetrics
 from orca_jax.openai_serving import EventStream, OpenAIServing
 from orca_jax.errors import RequestError

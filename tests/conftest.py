@@ -201,7 +201,7 @@ def tiny_engine_factory(tiny_llama_dir):
     bucketing runs the same steps, padded to the one bucket. The defaults are the settings most
     modules need, so that engines built alike in different modules share their programs (the
     run's persistent compilation cache)."""
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     def build(**overrides):
         settings = dict(model=str(tiny_llama_dir), **TINY_ENGINE)
@@ -241,7 +241,7 @@ def logits_engine(**settings):
     overlapped steps give the same tokens (tests/test_async_scheduling.py)."""
     import functools
 
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
     from orca_jax.worker.runner import ModelRunner
 
     settings.setdefault("async_scheduling", False)

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.worker.runner import ModelRunner  # noqa: E402
 
 # One token bucket (16) and no warm-up: one program per engine, its step keeping the logits.

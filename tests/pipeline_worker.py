@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
 from orca_jax.worker.compile_guard import compile_count  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
 from orca_jax.structured.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 # One token bucket (32); prompts up to 41 tokens are prefilled in chunks; a pool of 40

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
+from orca_jax.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError
 from orca_jax.errors import RequestError
 
 PROMPT = "The quick brown fox"
@@ -278,7 +278,7 @@ def test_queue_limit_counts_every_request_of_a_group(engine, monkeypatch):
 
 # ---- the per-request output collector ------------------------------------------------------
 def _delta_output(index_texts: dict[int, tuple[str, list[int]]], finished=False, first_token_time=None):
-    from orca_jax.outputs import CompletionOutput, RequestOutput
+    from orca_jax.engine.outputs import CompletionOutput, RequestOutput
 
     completions = [CompletionOutput(index=i, text=text, token_ids=list(ids), logprobs=[{t: -1.0} for t in ids],
                                     delta_text=text, delta_token_ids=list(ids),
@@ -289,7 +289,7 @@ def _delta_output(index_texts: dict[int, tuple[str, list[int]]], finished=False,
 
 
 def test_a_lagging_reader_gets_the_delta_outputs_merged_into_one():
-    from orca_jax.async_engine import RequestStream
+    from orca_jax.engine.async_engine import RequestStream
 
     async def scenario():
         stream = RequestStream("r", lambda _: None, "delta")
@@ -314,8 +314,8 @@ def test_a_lagging_reader_gets_the_delta_outputs_merged_into_one():
 
 
 def test_cumulative_outputs_replace_the_unread_one_keeping_its_deltas():
-    from orca_jax.async_engine import RequestStream
-    from orca_jax.outputs import CompletionOutput, RequestOutput
+    from orca_jax.engine.async_engine import RequestStream
+    from orca_jax.engine.outputs import CompletionOutput, RequestOutput
 
     def cumulative(text, ids, new_text, new_ids, finished=False):
         c = CompletionOutput(index=0, text=text, token_ids=list(ids), delta_text=new_text,
@@ -336,7 +336,7 @@ def test_cumulative_outputs_replace_the_unread_one_keeping_its_deltas():
 
 
 def test_an_error_is_raised_after_the_outputs_before_it():
-    from orca_jax.async_engine import RequestStream
+    from orca_jax.engine.async_engine import RequestStream
 
     async def scenario():
         stream = RequestStream("r", lambda _: None, "delta")
@@ -354,9 +354,9 @@ def test_an_error_is_raised_after_the_outputs_before_it():
 def test_merged_outputs_from_make_output_add_up_in_every_kind(engine):
     """Outputs of a real request (make_output on the engine's tokenizer), put while nobody
     reads, reach a late reader as one output that equals the unmerged history."""
-    from orca_jax.async_engine import RequestStream
-    from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
-    from orca_jax.request import Request, make_output
+    from orca_jax.engine.async_engine import RequestStream
+    from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
+    from orca_jax.engine.request import Request, make_output
     from orca_jax.core.sequence import Sequence, SequenceStatus
 
     tok = engine.tokenizer

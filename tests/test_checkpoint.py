@@ -18,7 +18,7 @@ from orca_jax.loading import checkpoint
 from orca_jax.distributed import parallel
 from orca_jax.cli import main
 from orca_jax.loading.convert import convert
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.loading.loader import load_model
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,

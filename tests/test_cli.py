@@ -12,7 +12,7 @@ def test_generate_streams_text(tiny_llama_dir, capsys):
 
 
 def test_generate_chat_uses_template(tiny_llama_dir, monkeypatch):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     seen = {}
     original = LLMEngine.add_request
@@ -93,7 +93,7 @@ def test_log_level_defaults_to_info_for_serve_and_is_accepted_after_the_subcomma
 
 
 def test_generate_sampling_flags_reach_the_request(tiny_llama_dir, monkeypatch, capsys):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     seen = {}
     original = LLMEngine.add_request
@@ -163,7 +163,7 @@ def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
     (["--config", "smollm2-cpu"], None, None),  # so does a preset's setting, where it has one
 ])
 def test_generate_sizes_its_rows_to_its_samples_and_runs_one_step_at_a_time(monkeypatch, argv, seqs, overlapped):
-    from orca_jax import engine as engine_module
+    from orca_jax.engine import engine as engine_module
     from orca_jax.presets import load_preset
 
     built = {}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 MULTILINGUAL_CORPUS = [
@@ -247,7 +247,7 @@ def _run_lockstep(cases, tokenizers, rng):
     """Feed every case both ways: all live sequences through one detokenize_step per step, and
     each through add_token alone; deltas are taken at random steps (a lagging reader). Returns
     per case (text, stop string, deltas, the step it stopped at) for both ways."""
-    from orca_jax.detokenizer import detokenize_step
+    from orca_jax.engine.detokenizer import detokenize_step
 
     def make(i):
         prompt, _, stops, include = cases[i]
@@ -356,7 +356,7 @@ def test_batched_step_on_the_default_model_tokenizer(gguf_tokenizer):
 def test_rust_decode_batch_equals_transformers_decode(tiny_tokenizer, multilingual_tokenizer, gguf_tokenizer):
     import numpy as np
 
-    from orca_jax.detokenizer import rust_decode_is_exact
+    from orca_jax.engine.detokenizer import rust_decode_is_exact
 
     rng = np.random.default_rng(1)
     for tok in (tiny_tokenizer, multilingual_tokenizer, gguf_tokenizer):
@@ -385,7 +385,7 @@ def _word_piece_tokenizer(clean_up: bool):
 def test_clean_up_and_custom_decoders_fall_back_to_tokenizer_decode(tiny_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
-    from orca_jax.detokenizer import detokenize_step, rust_decode_is_exact
+    from orca_jax.engine.detokenizer import detokenize_step, rust_decode_is_exact
 
     class ShoutingTokenizer(PreTrainedTokenizerFast):  # a subclass with its own decoding
         def _decode(self, token_ids, **kwargs):
@@ -412,7 +412,7 @@ def test_clean_up_and_custom_decoders_fall_back_to_tokenizer_decode(tiny_tokeniz
 
 
 def test_detokenize_step_checks_its_arguments(tiny_tokenizer):
-    from orca_jax.detokenizer import detokenize_step
+    from orca_jax.engine.detokenizer import detokenize_step
 
     assert detokenize_step([], []) == []
     with pytest.raises(ValueError, match="2 detokenizers for 1 tokens"):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 
 ENGINE_FLAGS = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=8, num_pages=32, max_model_len=128)
 START_TIMEOUT_S = 240

@@ -12,7 +12,7 @@ import pytest
 
 from orca_jax import SamplingParams
 from orca_jax.worker.compile_guard import compile_count, no_compiles
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.core.sequence import SequenceStatus
 
 PROMPT = "The quick brown fox"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from orca_jax.async_engine import EngineStats
+from orca_jax.engine.async_engine import EngineStats
 from orca_jax.metrics import ServerMetrics
 
 

@@ -309,7 +309,7 @@ def test_a_weight_the_model_does_not_declare_is_refused():
 
 
 def test_more_devices_than_there_are_is_refused(tiny_llama_dir):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices.*xla_force_host_platform_device_count"):
         LLMEngine(model=str(tiny_llama_dir), tensor_parallel_size=2, warmup=False)
@@ -321,7 +321,7 @@ def test_more_devices_than_there_are_is_refused(tiny_llama_dir):
 def test_one_device_keeps_the_unsharded_path(tiny_llama_dir):
     from jax.sharding import SingleDeviceSharding
 
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     engine = LLMEngine(model=str(tiny_llama_dir), max_num_seqs=2, max_num_batched_tokens=8, page_size=8,
                        num_pages=8, max_model_len=64, warmup=False)

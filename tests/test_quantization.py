@@ -147,7 +147,7 @@ def test_the_step_never_holds_a_float_copy_of_the_stacked_weights(tiny_llama_dir
     """XLA may convert int8 weights to floats next to the product, one layer at a time; a
     float array of a whole stacked weight would mean the conversion was hoisted out of the
     layer loop, and the memory saving lost."""
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     engine = LLMEngine(model=str(tiny_llama_dir), quantization="int8", max_num_seqs=4, max_num_batched_tokens=16,
                        min_token_bucket=16, page_size=8, num_pages=16, max_model_len=64, warmup=False)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
-from orca_jax.request import Request, make_output
+from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
+from orca_jax.engine.request import Request, make_output
 from orca_jax.core.sequence import Sequence, SequenceStatus
 
 KINDS = ("cumulative", "delta", "final_only")

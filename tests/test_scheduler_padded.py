@@ -27,7 +27,7 @@ from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence, SequenceStatus
-from orca_jax.step import recompute_running
+from orca_jax.engine.step import recompute_running
 
 MODEL = ModelConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

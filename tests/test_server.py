@@ -22,9 +22,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orca_jax.async_engine import AsyncLLMEngine
+from orca_jax.engine.async_engine import AsyncLLMEngine
 from orca_jax.worker.compile_guard import no_compiles
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.server import ServerSettings, build_app
 
 MODEL = "tiny-llama"

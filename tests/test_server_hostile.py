@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from orca_jax.async_engine import AsyncLLMEngine
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.async_engine import AsyncLLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.server import ServerSettings, build_app
 
 MODEL = "tiny-llama"

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.server import ServerSettings, build_app
 from orca_jax.structured.structured_outputs import closed_objects
 

@@ -15,7 +15,7 @@ from orca_jax.worker.runner import ModelRunner
 from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence, SequenceStatus
-from orca_jax.step import Ready, StepFailed, complete_step, dispatch_step, recompute_running, run_step
+from orca_jax.engine.step import Ready, StepFailed, complete_step, dispatch_step, recompute_running, run_step
 
 MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_position_embeddings=256)
@@ -129,7 +129,7 @@ def test_a_failed_dispatch_takes_back_what_schedule_counted():
 def test_engine_steps_the_runner_it_is_given(tiny_llama_dir):
     """The seam: `make_runner` builds the engine's runner; here the real one, wrapped to count
     the batches, and keeping logits, whose argmax is what greedy sampling returned."""
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     built = []
 

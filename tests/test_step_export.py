@@ -16,7 +16,7 @@ from orca_jax import SamplingParams
 from orca_jax.worker import step_export
 from orca_jax.worker import runner as runner_module
 from orca_jax.worker.compile_guard import no_compiles
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.worker.runner import ModelRunner
 
 SETTINGS = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=8, page_size=8, num_pages=32,

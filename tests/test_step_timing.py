@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from orca_jax.step_timing import HOST_PARTS, StepTimeline, StepTiming, derive, summarize
+from orca_jax.engine.step_timing import HOST_PARTS, StepTimeline, StepTiming, derive, summarize
 
 
 def timing(step, dispatched_at, ready_at, has_prefill=False, **parts) -> StepTiming:

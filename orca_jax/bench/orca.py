@@ -85,7 +85,7 @@ def engine_settings(s: SweepSettings) -> dict:
 
 
 def build_engines(s: SweepSettings) -> dict:
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     common = engine_settings(s)
     return {policy: LLMEngine(scheduling=policy, **common) for policy in s.policies}

@@ -100,7 +100,7 @@ class PromptTokensComputed:
 
 
 def build_engines(s: PrefixSettings) -> dict[bool, Any]:
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     common = dict(model=s.model, dtype=s.dtype, max_num_seqs=s.max_num_seqs,
                   max_num_batched_tokens=s.max_num_batched_tokens, page_size=s.page_size,

@@ -1,6 +1,6 @@
 """`orca-jax bench simulate`: Orca's experiment at the paper's scale, without the model.
 
-The engine's own step halves (`orca_jax.step.dispatch_step` / `complete_step`: the real
+The engine's own step halves (`orca_jax.engine.step.dispatch_step` / `complete_step`: the real
 `Scheduler`, `PageAllocator` and postprocess) run on a virtual clock, with a runner that
 stands in for the model (`ZeroTokenRunner`: every sampled token is 0, EOS is ignored).
 Everything the scheduler decides (admission, chunking, page allocation, preemption, the
@@ -45,7 +45,7 @@ from orca_jax.bench.latency import RequestTiming, summarize
 from orca_jax.bench.orca import BASELINE_KEYS, POLICIES, analyze
 from orca_jax.bench.trace import Trace, make_trace
 from orca_jax.worker.sampling import SampleOutput
-from orca_jax.step import Ready, complete_step, dispatch_step
+from orca_jax.engine.step import Ready, complete_step, dispatch_step
 
 # Orca, section 6.2, GPT-3 175B on 16 A100s: at a median normalized latency of 190 ms/token,
 # 6.81 requests/s for Orca against 0.185 for FasterTransformer.

@@ -239,7 +239,7 @@ class RowCounter:
 
 
 def build_engine(s: SpecSettings, spec: dict | None, model_len: int):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     num_seqs = max(s.batch_sizes)
     return LLMEngine(model=s.model, dtype=s.dtype, max_num_seqs=num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -278,7 +278,7 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
     the caller after the comparison)."""
     from orca_jax import SamplingParams
     from orca_jax.worker.compile_guard import compile_count
-    from orca_jax.step_timing import derive
+    from orca_jax.engine.step_timing import derive
 
     n = len(requests)
     fresh_speculation(engine)

@@ -252,7 +252,7 @@ def request_params(constrained: bool, s: StructuredSettings):
 
 
 def build_engine(s: StructuredSettings, num_seqs: int, async_scheduling: bool = True):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     return LLMEngine(model=s.model, dtype=s.dtype, max_num_seqs=num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                      page_size=s.page_size, max_model_len=s.max_model_len, seed=s.seed, enable_prefix_caching=False,
@@ -274,7 +274,7 @@ def timed_run(engine, prompts: list[list[int]], num_constrained: int, s: Structu
     """All prompts at t=0, the first `num_constrained` under the schema; throughput, decode
     step times and their breakdown, mask fill times, and the outputs checked."""
     from orca_jax.worker.compile_guard import compile_count
-    from orca_jax.step_timing import derive
+    from orca_jax.engine.step_timing import derive
 
     num_seqs = len(prompts)
     compiles, steps = compile_count(), engine.num_steps

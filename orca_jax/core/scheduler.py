@@ -32,7 +32,7 @@ fails takes its publications back (`forget_published`).
 Tokens are counted when they are scheduled (as vLLM V1 does): `num_computed_tokens` rises in
 `schedule()`, and a row that samples adds one to the sequence's `num_pending` until
 `postprocess` appends the token. So a sequence can be scheduled again while its last token is
-still on the device (overlapped steps, `orca_jax.engine`); with one step at a time nothing is
+still on the device (overlapped steps, `orca_jax.engine.engine`); with one step at a time nothing is
 pending between steps. Each running sequence holds a slot, its row of the persistent batch
 state on the device (`orca_jax.worker.batch_state`).
 """

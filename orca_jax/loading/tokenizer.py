@@ -61,7 +61,7 @@ class Tokenizer:
     post-processor is rebuilt to add exactly those (transformers' `update_post_processor`)."""
 
     # decode(ids, skip_special_tokens) is exactly backend_tokenizer.decode: the detokenizer
-    # decodes a whole step in one Rust call (orca_jax.detokenizer.rust_decode_is_exact).
+    # decodes a whole step in one Rust call (orca_jax.engine.detokenizer.rust_decode_is_exact).
     decodes_in_rust = True
 
     def __init__(self, backend, *, special_tokens: dict[str, Any] | None = None,

@@ -15,7 +15,7 @@ stage 0's devices, `jax.device_put`s its activations onto stage 1's devices (a d
 copy, never through the host), enqueues stage 1's program, and so on, and returns at once.
 Each device runs its queue in order, so while stage 1 computes batch A, stage 0 already
 computes batch B, dispatched next: the engine keeps up to P batches in flight
-(orca_jax/engine.py), and the scheduler never puts a sequence in a batch while it is in one in
+(orca_jax/engine/engine.py), and the scheduler never puts a sequence in a batch while it is in one in
 flight (`Scheduler.excludes_in_flight`), so the batches in flight are disjoint.
 
 Every stage keeps its own copy of the persistent batch state (page tables, penalty counts) and
@@ -163,7 +163,7 @@ class StageTimeline:
 
 
 class PipelineRunner:
-    """The engine's runner (`orca_jax.step.EngineRunner`) for pipeline_parallel_size > 1: the
+    """The engine's runner (`orca_jax.engine.step.EngineRunner`) for pipeline_parallel_size > 1: the
     stages of `make_pipeline_mesh`, each with its programs, chained by device-to-device copies.
     `params`: the converted weights as numpy ({"params": ...}) or a checkpoint; each stage's
     part lands on its own devices only (`_place_weights`).

@@ -120,7 +120,7 @@ class ModelRunner:
     `keep_logits`: each step also returns the logits it sampled from (`SampleOutput.logits`,
     f32[S, V]), for tests and debugging; serving leaves it off (the copy costs S x V floats).
 
-    This is the engine's runner (`orca_jax.step.EngineRunner`); anything with that interface
+    This is the engine's runner (`orca_jax.engine.step.EngineRunner`); anything with that interface
     can stand in for it (`LLMEngine(make_runner=...)`)."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, params, attention_impl: str,

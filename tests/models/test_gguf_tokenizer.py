@@ -351,7 +351,7 @@ def test_default_model_loads_without_importing_torch(tmp_path):
         del params, second
         from orca_jax import SamplingParams
         from orca_jax.chat_template import apply_chat_template
-        from orca_jax.engine import LLMEngine
+        from orca_jax.engine.engine import LLMEngine
 
         # One bucket (64 tokens: the chat prompt and the decodes), so one program to build.
         engine = LLMEngine(model_cache_dir={str(tmp_path)!r}, warmup=False, max_num_seqs=1,

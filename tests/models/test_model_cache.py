@@ -417,7 +417,7 @@ def test_hf_directories_are_not_cached(tiny_llama_dir, tmp_path):
 # ---- through the engine, and on the real default model --------------------------------------------
 def test_engine_started_from_the_cache_generates_the_same_tokens(tiny_gguf, tmp_path):
     from orca_jax import SamplingParams
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     def run():
         engine = LLMEngine(model=str(tiny_gguf), model_cache_dir=str(tmp_path / "cache"), compilation_cache_dir=None,

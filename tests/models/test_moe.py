@@ -186,7 +186,7 @@ def test_weight_quantization_is_refused_clearly():
 
 # ---- the engine -----------------------------------------------------------------------------
 def test_no_compiles_after_warmup(tiny_hf_model_factory):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     directory = tiny_hf_model_factory(
         "Qwen3MoeConfig", seed=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

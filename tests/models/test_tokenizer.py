@@ -13,7 +13,7 @@ import json
 import gguf
 import pytest
 
-from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step, rust_decode_is_exact
+from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step, rust_decode_is_exact
 from orca_jax.loading import gguf_tokenizer
 from orca_jax.loading.loader import default_model_path
 from orca_jax.loading.tokenizer import Tokenizer, load_tokenizer, unsupported_reason, read_config

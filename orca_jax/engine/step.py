@@ -3,7 +3,7 @@
     dispatch_step: schedule -> runner.dispatch (build the inputs, enqueue the program)
     complete_step: wait for the result -> scheduler.postprocess (tokens, stop rules, retiring)
 
-`run_step` is one after the other. The engine's overlapped loop (`orca_jax.engine`) dispatches
+`run_step` is one after the other. The engine's overlapped loop (`orca_jax.engine.engine`) dispatches
 step N+1 before it completes step N. What runs the batch is a `StepRunner`: the `ModelRunner`
 (the compiled model on the device) in the engine, the cost model's stand-in in `bench
 simulate`, a wrapper or a fake in tests. The engine takes the runner through
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from orca_jax.config import EngineConfig
 from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.scheduler import ScheduledBatch, Scheduler, StepUpdate, StopRule
-from orca_jax.step_timing import StepTiming, StepTimeline
+from orca_jax.engine.step_timing import StepTiming, StepTimeline
 
 if TYPE_CHECKING:  # the runner module imports the models; the protocol only names its report
     from orca_jax.worker.runner import WarmupReport

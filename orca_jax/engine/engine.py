@@ -1,6 +1,6 @@
 """LLMEngine: the one host loop. Each `step()` is
 
-    dispatch step N+1 (orca_jax/step.py: schedule -> runner.dispatch, which builds the step's
+    dispatch step N+1 (orca_jax/engine/step.py: schedule -> runner.dispatch, which builds the step's
         small inputs and enqueues its program without waiting)
     complete step N   (wait for its tokens -> scheduler.postprocess, which appends them, applies
         the stop rules and retires) -> outputs (log-probs, text deltas)
@@ -38,14 +38,14 @@ from orca_jax.worker.compilation_cache import active_cache_dir, configure_for_pr
 from orca_jax.config import EngineConfig
 from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
-from orca_jax.detokenizer import IncrementalDetokenizer, detokenize_step
+from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import RequestError, check_unicode
 from orca_jax.structured.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.kernels import resolve_impl
 from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
-from orca_jax.outputs import RequestOutput
-from orca_jax.request import Request, make_output, split_prompt
+from orca_jax.engine.outputs import RequestOutput
+from orca_jax.engine.request import Request, make_output, split_prompt
 from orca_jax.worker.pipeline import PipelineRunner
 from orca_jax.worker.pipeline_layout import make_pipeline_mesh
 from orca_jax.worker.runner import ModelRunner
@@ -54,9 +54,9 @@ from orca_jax.core.scheduler import Scheduler
 from orca_jax.core.sequence import Sequence
 from orca_jax.spec_decode.draft_model import DraftModelProposer
 from orca_jax.spec_decode.proposing import NgramSequenceProposer, Speculation
-from orca_jax.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,
+from orca_jax.engine.step import (EngineRunner, InFlightStep, StepFailed, StepResult, complete_step, dispatch_step,
                            recompute_running)
-from orca_jax.step_timing import StepTimeline
+from orca_jax.engine.step_timing import StepTimeline
 
 logger = logging.getLogger(__name__)
 

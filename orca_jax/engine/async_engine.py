@@ -34,9 +34,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orca_jax.engine import LLMEngine
+from orca_jax.engine.engine import LLMEngine
 from orca_jax.errors import RequestError
-from orca_jax.outputs import RequestOutput, merge_outputs
+from orca_jax.engine.outputs import RequestOutput, merge_outputs
 from orca_jax.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.errors import RequestError, check_unicode
-from orca_jax.outputs import CompletionOutput, RequestOutput
+from orca_jax.engine.outputs import CompletionOutput, RequestOutput
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.sequence import Sequence
 

@@ -1,7 +1,7 @@
 """What the engine returns: one RequestOutput per request, one CompletionOutput per sample.
 
 Fields follow vLLM. What `text`, `token_ids` and `logprobs` hold depends on the request's
-`SamplingParams.output_kind` (orca_jax/request.py builds the outputs):
+`SamplingParams.output_kind` (orca_jax/engine/request.py builds the outputs):
   "cumulative"  everything so far (the default);
   "delta"       only what is new since the request's previous output;
   "final_only"  everything, in the one output made when the request has finished.
