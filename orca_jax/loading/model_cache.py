@@ -124,14 +124,18 @@ def converter_fingerprint() -> str:
 
 
 def fingerprint_sources() -> list[Path]:
-    """The model package (GGUF reading and its metadata mapping, tokenizer building, each
-    family's config parser and weight converter, all in orca_jax/models/*.py), the config
-    and checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added
-    later would otherwise silently take its default), and the entry's own format (this module,
+    """The model families (each family's config parser and weight converter, orca_jax/models/*.py),
+    the readers of GGUF files (reading and its metadata mapping, tokenizer building: loader,
+    gguf_arch, gguf_tokenizer, tokenizer, jinja_chat in orca_jax/loading/), the config and
+    checkpoint modules (an entry's ModelConfig is rebuilt from its marker: a field added later
+    would otherwise silently take its default), and the entry's own format (this module,
     npy_tree.py)."""
-    package = Path(checkpoint.__file__).parent
-    return sorted([*(package / "models").glob("*.py"), package / "config.py", package / "checkpoint.py",
-                   package / "npy_tree.py", package / "model_cache.py"])
+    loading = Path(checkpoint.__file__).parent
+    package = loading.parent
+    readers = ("loader", "gguf_arch", "gguf_tokenizer", "tokenizer", "jinja_chat", "checkpoint", "npy_tree",
+               "model_cache")
+    return sorted([*(package / "models").glob("*.py"), package / "config" / "__init__.py",
+                   *(loading / f"{name}.py" for name in readers)])
 
 
 @dataclasses.dataclass

@@ -191,7 +191,7 @@ def _environment() -> dict[str, Any]:
 def sources_digest() -> str:
     """A digest of every .py file of the orca_jax package (~10 ms): any code change is a new
     program, so no one has to remember which modules a step reaches."""
-    package = Path(__file__).parent
+    package = Path(__file__).parents[1]
     digest = hashlib.sha256()
     for source in sorted(package.rglob("*.py")):
         digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())

@@ -354,11 +354,14 @@ def test_converter_fingerprint_follows_the_model_code():
     first = model_cache.converter_fingerprint()
     assert first == model_cache.converter_fingerprint()
     sources = set(model_cache.fingerprint_sources())
-    deciding = [loader.gguf_config, loader.unpermute_rope_rows, hf_config.rope_from_hf, checkpoint.model_config_from_dict]
+    from orca_jax.config import ModelConfig
+
+    deciding = [loader.gguf_config, loader.unpermute_rope_rows, hf_config.rope_from_hf, checkpoint.model_config_from_dict,
+                ModelConfig]
     for arch in ARCHITECTURES.values():
         deciding += [arch.config_from_hf, arch.hf_to_params]
     assert {Path(inspect.getsourcefile(f)) for f in deciding} <= sources
-    assert {"gguf_tokenizer.py", "config.py"} <= {p.name for p in sources}
+    assert {"gguf_tokenizer.py", "tokenizer.py", "jinja_chat.py"} <= {p.name for p in sources}
 
 
 def test_a_failed_save_leaves_no_entry(tiny_gguf, tmp_path, monkeypatch, caplog):
