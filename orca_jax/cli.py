@@ -1,12 +1,12 @@
 """`orca-jax` command line.
 
     orca-jax generate "PROMPT"   stream one completion to the terminal
-    orca-jax serve [MODEL]       OpenAI-compatible HTTP server (see orca_jax/server.py); multi-host
+    orca-jax serve [MODEL]       OpenAI-compatible HTTP server (see orca_jax/entrypoints/server.py); multi-host
                                  with --coordinator-address/--num-processes/--process-id
     orca-jax convert MODEL DIR   convert weights once into an orbax checkpoint (orca_jax/loading/convert.py)
     orca-jax bench orca|offline|serve|simulate   Orca's experiment and its peers (orca_jax/bench/)
 
-Both take `--config PRESET` (configs/*.toml, see orca_jax/presets.py); flags override it.
+Both take `--config PRESET` (configs/*.toml, see orca_jax/entrypoints/presets.py); flags override it.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 def _engine_config(args, defaults: dict | None = None) -> EngineConfig:
     """The preset (if any), then every engine flag given explicitly on the command line.
     `defaults`: a command's own defaults, under both (EngineConfig's apply where none is set)."""
-    from orca_jax.presets import engine_config_from_preset, load_preset
+    from orca_jax.entrypoints.presets import engine_config_from_preset, load_preset
 
     model_tag = getattr(args, "model_tag", None)  # `orca-jax serve MODEL`, as `vllm serve MODEL`
     if model_tag is not None:
@@ -146,7 +146,7 @@ def _engine_config(args, defaults: dict | None = None) -> EngineConfig:
 
 def cmd_generate(args) -> int:
     from orca_jax.engine.engine import LLMEngine
-    from orca_jax.chat_template import apply_chat_template
+    from orca_jax.entrypoints.chat_template import apply_chat_template
 
     # One prompt uses few buckets: compile them as they come rather than all up front. Unless a
     # preset or flag says otherwise:
@@ -196,7 +196,7 @@ def _served_model_name(args, config: EngineConfig) -> str:
 def cmd_serve(args) -> int:
     from orca_jax.worker import multihost
     from orca_jax.engine.engine import LLMEngine
-    from orca_jax.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, serve
+    from orca_jax.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, serve
 
     if args.max_waiting_requests is None:
         args.max_waiting_requests = DEFAULT_MAX_WAITING_REQUESTS
@@ -243,9 +243,9 @@ def cmd_convert(args) -> int:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    # The server's own defaults are applied in cmd_serve: importing orca_jax.server here (FastAPI,
+    # The server's own defaults are applied in cmd_serve: importing orca_jax.entrypoints.server here (FastAPI,
     # pydantic: ~0.5 s) would charge every `generate` for a parser it does not use.
-    from orca_jax.tool_parsers import TOOL_PARSERS
+    from orca_jax.entrypoints.tool_parsers import TOOL_PARSERS
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")

@@ -8,7 +8,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from orca_jax.chat_template import apply_chat_template, conversation_without_tool_roles, template_knows_tools
+from orca_jax.entrypoints.chat_template import apply_chat_template, conversation_without_tool_roles, template_knows_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

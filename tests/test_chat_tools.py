@@ -1,4 +1,4 @@
-"""What tools and tool_choice mean (orca_jax.chat_tools): the plan per tool_choice, the schema
+"""What tools and tool_choice mean (orca_jax.entrypoints.chat_tools): the plan per tool_choice, the schema
 "required" enforces (checked with jsonschema against calls it must take and refuse), and the
 errors that name their field."""
 
@@ -9,10 +9,10 @@ import json
 import jsonschema
 import pytest
 
-from orca_jax.chat_tools import finish_reason, plan_tools, required_calls_schema
+from orca_jax.entrypoints.chat_tools import finish_reason, plan_tools, required_calls_schema
 from orca_jax.errors import RequestError
-from orca_jax.protocol import ChatCompletionRequest
-from orca_jax.tool_parsers import HermesToolParser, JsonArrayToolParser, NamedToolParser
+from orca_jax.entrypoints.protocol import ChatCompletionRequest
+from orca_jax.entrypoints.tool_parsers import HermesToolParser, JsonArrayToolParser, NamedToolParser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}}

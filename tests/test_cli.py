@@ -141,7 +141,7 @@ def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, 
 
 
 def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
-    from orca_jax import server
+    from orca_jax.entrypoints import server
 
     args = cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
@@ -164,7 +164,7 @@ def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
 ])
 def test_generate_sizes_its_rows_to_its_samples_and_runs_one_step_at_a_time(monkeypatch, argv, seqs, overlapped):
     from orca_jax.engine import engine as engine_module
-    from orca_jax.presets import load_preset
+    from orca_jax.entrypoints.presets import load_preset
 
     built = {}
 

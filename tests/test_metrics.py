@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.engine.async_engine import EngineStats
-from orca_jax.metrics import ServerMetrics
+from orca_jax.entrypoints.metrics import ServerMetrics
 
 
 def scrape(stats: EngineStats) -> dict[str, float]:

@@ -10,7 +10,7 @@ import pytest
 
 from orca_jax import cli
 from orca_jax.config import EngineConfig
-from orca_jax.presets import engine_config_from_preset, list_presets, load_preset
+from orca_jax.entrypoints.presets import engine_config_from_preset, list_presets, load_preset
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_FILES = sorted((REPO / "configs").glob("*.toml"))

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orca_jax.engine.async_engine import AsyncLLMEngine
 from orca_jax.worker.compile_guard import no_compiles
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.server import ServerSettings, build_app
+from orca_jax.entrypoints.server import ServerSettings, build_app
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256

@@ -22,7 +22,7 @@ import pytest
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.server import ServerSettings, build_app
+from orca_jax.entrypoints.server import ServerSettings, build_app
 
 MODEL = "tiny-llama"
 API_KEY = "test-key"

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.server import ServerSettings, build_app
+from orca_jax.entrypoints.server import ServerSettings, build_app
 from orca_jax.structured.structured_outputs import closed_objects
 
 pytestmark = pytest.mark.slow

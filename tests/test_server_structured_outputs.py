@@ -30,12 +30,12 @@ import openai
 import pytest
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
-from orca_jax.chat_template import apply_chat_template
+from orca_jax.entrypoints.chat_template import apply_chat_template
 from orca_jax.worker.compile_guard import no_compiles
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.structured.guided_decoding import grammar_text
-from orca_jax.metrics import ServerMetrics
-from orca_jax.server import ServerSettings, build_app, create_app
+from orca_jax.entrypoints.metrics import ServerMetrics
+from orca_jax.entrypoints.server import ServerSettings, build_app, create_app
 from orca_jax.structured.structured_outputs import StructuredOutputsParams, closed_objects
 
 MODEL = "tiny-llama"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_jax.tool_parsers import (
+from orca_jax.entrypoints.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     JsonArrayToolParser,

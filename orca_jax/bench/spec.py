@@ -146,7 +146,7 @@ def passage(i: int, num_sentences: int) -> str:
 
 
 def copy_prompts(tokenizer, num: int, s: SpecSettings) -> list[list[int]]:
-    from orca_jax.chat_template import apply_chat_template
+    from orca_jax.entrypoints.chat_template import apply_chat_template
 
     return [apply_chat_template(tokenizer, [{"role": "user", "content": COPY_INSTRUCTION + passage(i, s.copy_sentences)}])
             for i in range(num)]

@@ -13,11 +13,11 @@
 
 So "required" and named calls always parse and their arguments always validate against the
 function's schema; "auto" relies on the model following the format its template (or the
-fallback description, orca_jax.chat_template) shows it. As in vLLM, "auto" needs the server
+fallback description, orca_jax.entrypoints.chat_template) shows it. As in vLLM, "auto" needs the server
 started with --enable-auto-tool-choice and a --tool-call-parser; a request that leaves
 tool_choice out gets "auto" on such a server and "none" on any other.
 
-Both response paths read the output through the same parser (orca_jax.tool_parsers): a
+Both response paths read the output through the same parser (orca_jax.entrypoints.tool_parsers): a
 message with `tool_calls` and `finish_reason: "tool_calls"` when calls were found, the text as
 content otherwise.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from orca_jax.errors import RequestError
 from orca_jax.structured.guided_decoding import checked_grammar_text
-from orca_jax.protocol import ChatCompletionRequest, Tool
+from orca_jax.entrypoints.protocol import ChatCompletionRequest, Tool
 from orca_jax.structured.structured_outputs import StructuredOutputsParams, closed_objects
-from orca_jax.tool_parsers import (JsonArrayToolParser, NamedToolParser, ToolCallStreamer, ToolParser,
+from orca_jax.entrypoints.tool_parsers import (JsonArrayToolParser, NamedToolParser, ToolCallStreamer, ToolParser,
                                    extract_tool_calls, get_tool_parser)
 
 ANY_OBJECT = {"type": "object"}

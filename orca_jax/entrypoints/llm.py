@@ -14,7 +14,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
-from orca_jax.chat_template import apply_chat_template
+from orca_jax.entrypoints.chat_template import apply_chat_template
 from orca_jax.config import EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.outputs import RequestOutput

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from orca_jax.engine.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
                                    RequestStream)
 from orca_jax.errors import RequestError
-from orca_jax.chat_template import apply_chat_template
-from orca_jax.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
+from orca_jax.entrypoints.chat_template import apply_chat_template
+from orca_jax.entrypoints.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
 from orca_jax.engine.outputs import CompletionOutput, RequestOutput
-from orca_jax.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
+from orca_jax.entrypoints.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
                                bad_request, request_error_to_openai)
 from orca_jax.core.sampling_params import SamplingParams
 
@@ -87,7 +87,7 @@ class OpenAIServing:
                  on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None):
         self.engine = engine
         # The --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses
-        # the reply with it (orca_jax.chat_tools).
+        # the reply with it (orca_jax.entrypoints.chat_tools).
         self.auto_tool_parser = auto_tool_parser
         # The engine thread uses the engine's own tokenizer; this one belongs to the event loop
         # (templates, echo, logprob token strings), so no tokenizer is shared between threads.

@@ -31,7 +31,7 @@ TOP_LEVEL_KEYS = ("description", "model", "engine")
 ENGINE_KEYS = tuple(
     f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name not in ("model", "token_buckets")
 )
-_SOURCE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+_SOURCE_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load_preset(path_or_name: str | Path) -> dict[str, Any]:

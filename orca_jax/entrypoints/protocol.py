@@ -11,7 +11,7 @@ vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` / `guid
 `guided_grammar`); `SamplingRequest.structured_outputs_params` turns whichever one is set into
 one StructuredOutputsParams and remembers the field it came from, so an error about the schema
 names the field the client wrote. Tools (`tools`, `tool_choice`, assistant `tool_calls`,
-`tool` messages) are checked here too; orca_jax/chat_tools.py gives them their meaning.
+`tool` messages) are checked here too; orca_jax/entrypoints/chat_tools.py gives them their meaning.
 
 vLLM's extensions that map onto SamplingParams are accepted too (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`), and its

@@ -33,12 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
 from orca_jax.engine.engine import LLMEngine
-from orca_jax.metrics import ServerMetrics
-from orca_jax.openai_serving import EventStream, OpenAIServing
+from orca_jax.entrypoints.metrics import ServerMetrics
+from orca_jax.entrypoints.openai_serving import EventStream, OpenAIServing
 from orca_jax.errors import RequestError
-from orca_jax.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request,
+from orca_jax.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request,
                                request_error_to_openai)
-from orca_jax.tool_parsers import get_tool_parser
+from orca_jax.entrypoints.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    # Tool calling (orca_jax.chat_tools): tool_choice "auto" needs both, as in vLLM.
+    # Tool calling (orca_jax.entrypoints.chat_tools): tool_choice "auto" needs both, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
 

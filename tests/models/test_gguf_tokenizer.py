@@ -350,7 +350,7 @@ def test_default_model_loads_without_importing_torch(tmp_path):
         assert second.tokenizer.encode("<|im_start|>user") == [1, 4093]
         del params, second
         from orca_jax import SamplingParams
-        from orca_jax.chat_template import apply_chat_template
+        from orca_jax.entrypoints.chat_template import apply_chat_template
         from orca_jax.engine.engine import LLMEngine
 
         # One bucket (64 tokens: the chat prompt and the decodes), so one program to build.
