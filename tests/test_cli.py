@@ -1,6 +1,6 @@
 """`orca-jax generate` streams a completion and reports bad input as a clean error."""
 
-from orca_jax import cli
+from orca_jax.cli import commands as cli
 
 
 def test_generate_streams_text(tiny_llama_dir, capsys):

@@ -87,7 +87,7 @@ def test_two_processes_serve_a_pipeline_like_one_process_and_stop_together(tiny_
 
 # ---- in-process: flags and the placement rules ----------------------------------------------------
 def test_serve_passes_the_pipeline_size_to_the_engine():
-    from orca_jax.cli import _engine_config, build_parser
+    from orca_jax.cli.commands import _engine_config, build_parser
 
     args = build_parser().parse_args(["serve", "--pipeline-parallel-size", "2", "--num-processes", "2",
                                       "--process-id", "1", "--coordinator-address", "127.0.0.1:1234"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orca_jax import cli
+from orca_jax.cli import commands as cli
 from orca_jax.config import EngineConfig
 from orca_jax.entrypoints.presets import engine_config_from_preset, list_presets, load_preset
 
@@ -152,7 +152,7 @@ def test_every_package_directory_is_listed_in_pyproject():
 
 
 def test_scheduling_flag_overrides_the_preset():
-    from orca_jax.cli import _engine_config, build_parser
+    from orca_jax.cli.commands import _engine_config, build_parser
 
     args = build_parser().parse_args(["serve", "--config", "smollm2-cpu", "--scheduling", "request"])
     assert _engine_config(args).scheduling == "request"

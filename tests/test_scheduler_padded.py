@@ -378,7 +378,7 @@ def test_analyze_reports_iteration_over_each_baseline():
 
 
 def test_the_cli_offers_the_policy():
-    from orca_jax.cli import _engine_config, build_parser
+    from orca_jax.cli.commands import _engine_config, build_parser
 
     args = build_parser().parse_args(["serve", "--scheduling", "request_padded"])
     assert _engine_config(args).scheduling == "request_padded"

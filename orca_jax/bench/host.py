@@ -171,7 +171,7 @@ def cell_step_limit(s: HostSettings, cell: Cell) -> int:
 
 def mix_params(mix: str, index: int, max_tokens: int):
     """SamplingParams of request `index` in `mix` (EOS ignored; deltas when the engine has them)."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     common: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=True)
     if delta_outputs_supported():
@@ -187,7 +187,7 @@ def mix_params(mix: str, index: int, max_tokens: int):
 
 
 def delta_outputs_supported() -> bool:
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     return "output_kind" in {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -433,7 +433,7 @@ def _run_group(model_dir: Path, max_model_len: int, cells: list[Cell], modes: li
 
 def run_offline_modes(s: HostSettings, modes: list[str], progress) -> list[dict[str, Any]]:
     """`bench offline`'s timed orca_jax run (`run_orca`, its trace) at each max_num_seqs, per mode."""
-    from orca_jax import LLM
+    from orca_jax.entrypoints.llm import LLM
     from orca_jax.bench.offline import OfflineSettings, run_orca
     from orca_jax.bench.trace import make_trace
 

@@ -71,7 +71,7 @@ class OfflineSettings:
 
 def start_orca(s: OfflineSettings) -> dict[str, Any]:
     """Build the engine (weights load + XLA warm-up over every token bucket), outside timing."""
-    from orca_jax import LLM
+    from orca_jax.entrypoints.llm import LLM
 
     engine_args = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                        dtype=s.dtype, page_size=s.page_size, async_scheduling=s.async_scheduling)

@@ -127,7 +127,7 @@ def timed_run(engine, trace: Trace) -> dict[str, Any]:
 
 
 def n_samples_run(engine, prompt: list[int], n: int, output_len: int) -> dict[str, int]:
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     engine.reset_prefix_cache()
     with PromptTokensComputed(engine) as computed:

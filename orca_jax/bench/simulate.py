@@ -161,7 +161,7 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
     the cost model's pipeline stages, Orca's; 1: each batch crosses every stage before the
     next is scheduled). `check_step(scheduler, in_flight)`, if given, is called after every
     dispatch with the steps in flight (tests)."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
     from orca_jax.core.sequence import Sequence
 
     stages = cost.num_stages

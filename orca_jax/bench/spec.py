@@ -250,7 +250,7 @@ def build_engine(s: SpecSettings, spec: dict | None, model_len: int):
 def warm_up(engine, requests: dict[str, list[tuple[list[int], int]]]) -> None:
     """A short request of each workload through every host path (proposer, verification,
     detokenizer); the engine compiled its step programs when it was built."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     for name, reqs in requests.items():
         engine.add_request(f"warmup-{name}", reqs[0][0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -276,7 +276,7 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
     """`requests` with at most `concurrency` in flight (the next joins as soon as one finishes);
     times, counters, step timeline sums, and each request's token ids (key "tokens", popped by
     the caller after the comparison)."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
     from orca_jax.worker.compile_guard import compile_count
     from orca_jax.engine.step_timing import derive
 

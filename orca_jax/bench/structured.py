@@ -244,7 +244,7 @@ def random_prompts(num: int, length: int, vocab_size: int, exclude_ids, seed: in
 
 
 def request_params(constrained: bool, s: StructuredSettings):
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
     from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=records_schema(s.min_items)) if constrained else None

@@ -339,6 +339,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orca-jax: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
