@@ -238,7 +238,7 @@ def logits_engine(**settings):
     """An LLMEngine whose steps also return their logits (`engine.last_step.output.logits`):
     the runner seam with `keep_logits`, one compiled program per bucket as in serving. One
     step at a time (each step() completes the step it dispatched), unless told otherwise;
-    overlapped steps give the same tokens (tests/test_async_scheduling.py)."""
+    overlapped steps give the same tokens (tests/engine/test_async_scheduling.py)."""
     import functools
 
     from orca_jax.engine.engine import LLMEngine

@@ -1,5 +1,5 @@
-"""Tensor-parallel checks on 8 forced host devices, run as a subprocess by tests/test_parallel.py
-and tests/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
+"""Tensor-parallel checks on 8 forced host devices, run as a subprocess by tests/distributed/test_parallel.py
+and tests/loading/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
 suite runs on one device). Prints one JSON object of measurements; the tests assert on it.
 
     python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2,ep@2 [QUANTIZATION]   logits, tokens, shardings, HLO

@@ -1,4 +1,4 @@
-"""Pipeline-parallel checks on 8 forced host devices, run as a subprocess by tests/test_pipeline.py
+"""Pipeline-parallel checks on 8 forced host devices, run as a subprocess by tests/worker/test_pipeline.py
 (JAX fixes the device count when it starts; the rest of the suite runs on one device). Prints
 one JSON object; the tests assert on it.
 

@@ -157,7 +157,7 @@ def cmd_generate(args) -> int:
     #   dispatched, so its program built, before the prefill's token is read, which delays the
     #   first token by a whole build (a compile when cold). Measured on 2 cores, by turns: first
     #   token 4.4 s vs 5.8 s warm, 29 s vs 43 s cold, the rest of 8 tokens no slower (same tokens
-    #   either way: tests/test_async_scheduling.py).
+    #   either way: tests/engine/test_async_scheduling.py).
     defaults = {"max_num_seqs": min(args.n, EngineConfig.max_num_seqs), "async_scheduling": False}
     engine = LLMEngine(_engine_config(args, defaults), warmup=False)
     prompt = args.prompt

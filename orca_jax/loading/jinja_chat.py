@@ -6,7 +6,7 @@ set up as transformers' `render_jinja_template` sets it up (transformers 5): `tr
 `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`, and the guarded `dict`
 and `namespace`. What the template sees is rebuilt from plain JSON-like values first
 (`plain_data`), and message keys whose value is None are dropped, as transformers does, so the
-same conversation renders to the same text. tests/models/test_tokenizer.py holds the two equal.
+same conversation renders to the same text. tests/loading/test_tokenizer.py holds the two equal.
 
 jinja2 is imported on first use: a model that is never chatted with does not load it.
 """

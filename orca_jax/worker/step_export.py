@@ -12,7 +12,7 @@ the bytes here, and a later start deserializes them (~0.01 s) and lowers `Export
 Every start compiles the same module, the exported one called through
 `jax.jit(exported.call, donate_argnums=...)`, whether it exported it now or read it back: so the
 first start's compile is the next start's persistent-cache hit, and both run the very program
-(tests/test_step_export.py: the same tokens and logits as the plain traced step). Donation passes
+(tests/worker/test_step_export.py: the same tokens and logits as the plain traced step). Donation passes
 through: the KV cache and the batch state are still updated in place.
 
 A file is named by a digest (`program_key`) of everything that determines the program: the

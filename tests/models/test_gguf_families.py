@@ -350,7 +350,7 @@ def block_file(hf_dirs, qwen_tokenizer, tmp_path_factory):
 def as_gguf_quantization_holds_them(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The file's weights as quantization="gguf" keeps them: Q8_0 and Q4_1 blocks exactly; a Q4_0
     block off a 16-level grid re-fitted as int8 (scale amax / 127, within half a step of the
-    file's: tests/test_quantization.py), which numpy's dequantization gives back here."""
+    file's: tests/kernels/test_quantization.py), which numpy's dequantization gives back here."""
     held = {}
     for name, w in stored.items():
         if tensor_type(BLOCK_TYPES, name, w) == "Q4_0":  # HF [out, in]: blocks along in

@@ -123,7 +123,7 @@ def test_bench_results_do_not_overwrite_the_committed_docs_by_default():
 # ---- convert --------------------------------------------------------------------------------
 def test_convert_hands_its_arguments_to_orca_jax_convert(monkeypatch, tmp_path, capsys):
     """`orca-jax convert` is orca_jax.loading.convert.convert ("default": the embedded model, None);
-    the conversion itself is tested in tests/test_checkpoint.py."""
+    the conversion itself is tested in tests/loading/test_checkpoint.py."""
     import orca_jax.loading.convert
 
     calls = []

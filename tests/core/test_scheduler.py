@@ -30,7 +30,7 @@ MODEL = ModelConfig(
 
 def make_scheduler(**kw) -> Scheduler:
     """The hand-made cases below are about the policies: their prompts overlap, so prefix
-    caching is off unless a case turns it on (tests/test_prefix_cache.py has its own)."""
+    caching is off unless a case turns it on (tests/core/test_prefix_cache.py has its own)."""
     settings_ = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=33, max_model_len=64,
                      enable_prefix_caching=False)
     settings_.update(kw)

@@ -776,7 +776,7 @@ def test_a_grammar_that_names_tokens_outside_the_vocabulary_is_refused_alone(liv
     """A grammar that parses but names a token past the vocabulary: the server checks grammars
     against the vocabulary (built at start), so it is a 400 naming the field, streamed or not,
     and requests beside it are served as if it were not there. (A grammar that fails later,
-    inside the engine, fails its request alone: tests/test_guided_decoding.py.)"""
+    inside the engine, fails its request alone: tests/structured/test_guided_decoding.py.)"""
     live.engine.grammars.llg_tokenizer()  # built at start, in the background: waits if it is not done yet
     broken = 'start: "a" <[99999]>'
     free = completion(max_tokens=10, temperature=0, ignore_eos=True)

@@ -5,9 +5,9 @@ ending mid-page, a prompt that is exactly a cached prefix, n = 4, a multi-turn c
 pool that preempts and evicts, a failed step, and no compiles after warm-up; requests with
 different cache salts (vLLM's cache_salt) never share a page, requests with the same one do.
 
-The allocator's reference counts and eviction are tested in tests/test_kv_cache.py, the
+The allocator's reference counts and eviction are tested in tests/core/test_kv_cache.py, the
 scheduler's admission and publishing (with a fake KV cache that checks every read) in
-tests/test_scheduler.py.
+tests/core/test_scheduler.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ stages' rows); the step inputs by jax.distributed's key-value store. Their outpu
 one process's without a pipeline, neither may build a program once serving, and SIGTERM to the
 leader must end both.
 
-The helpers (ports, health, requests, the one-process reference) are tests/test_distributed.py's."""
+The helpers (ports, health, requests, the one-process reference) are tests/worker/test_distributed.py's."""
 
 from __future__ import annotations
 

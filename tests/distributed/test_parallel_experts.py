@@ -3,7 +3,7 @@ parallelism splits every expert's intermediate axis, expert parallelism places w
 device, the attention tensor-parallel on the same devices either way.
 
 The sharded runs go through tests/parallel_worker.py on 8 forced host devices (see
-tests/test_parallel.py): a tiny Qwen2-MoE (8 experts, top-2, a shared expert, Q/K/V biases)
+tests/distributed/test_parallel.py): a tiny Qwen2-MoE (8 experts, top-2, a shared expert, Q/K/V biases)
 through the engine at tensor-parallel sizes 2 and 4 and expert-parallel sizes 2 and 4, against
 one device. The layout rules are checked here, in-process.
 """

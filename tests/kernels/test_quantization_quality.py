@@ -24,7 +24,7 @@ from orca_jax.bench.perplexity import PerplexityResult, perplexity
 
 pytestmark = pytest.mark.slow  # loads the real default model
 
-PROSE = Path(__file__).parent / "data" / "prose.txt"
+PROSE = Path(__file__).parents[1] / "data" / "prose.txt"
 # One token bucket (32 tokens, 16 rows): each bucket of the 30-layer model is a compile of
 # seconds to tens of seconds on CPU, and every variant compiles its own. The evaluator has its
 # own KV cache, so max_model_len only has to hold a prompt and its 32 new tokens.

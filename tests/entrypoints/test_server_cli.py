@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 MODEL = "tiny"
 

@@ -12,7 +12,7 @@ from orca_jax.cli import commands as cli
 from orca_jax.config import EngineConfig
 from orca_jax.entrypoints.presets import engine_config_from_preset, list_presets, load_preset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRESET_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
