@@ -754,7 +754,7 @@ def start_running(sched: Scheduler, seq: Sequence, outputs: list[int], num_pages
     """A sequence running with its prompt and outputs cached but the last token, as admission
     and earlier steps leave it (slot, counters and pages through the scheduler's own paths)."""
     sched.add(seq)
-    sched._move_to_running(seq)
+    sched.move_to_running(seq)
     seq.slot_joined = False
     seq.output_token_ids = list(outputs)
     seq.num_computed_tokens = seq.num_tokens - 1
@@ -803,7 +803,7 @@ def test_preemption_never_evicts_a_sequence_already_in_the_step():
     decoding.num_computed_tokens = 3
     for seq in (prefilling, decoding):  # running, with a slot, as admission leaves them
         sched.add(seq)
-        sched._move_to_running(seq)
+        sched.move_to_running(seq)
     assert sched.allocator.num_free == 0
 
     scheduled = sched.schedule()

@@ -1,4 +1,4 @@
-"""Speculative decoding in the scheduler (orca_jax/core/scheduler.py), host only, no model: which
+"""Speculative decoding in the scheduler (orca_jax/core/scheduler/), host only, no model: which
 drafts a step verifies (`_drafts_to_verify`: the token budget left after every running
 sequence's next token, the length limit, pages only if free, never a preemption), and what
 postprocess makes of a verified row (`num_accepted`: the accepted drafts and the target's token

@@ -1,5 +1,5 @@
 """Pipeline parallelism (orca_jax/worker/pipeline.py) and Orca's rule for batches in flight
-(orca_jax/core/scheduler.py).
+(orca_jax/core/scheduler/).
 
 The pipelined engines need several devices, and JAX fixes the device count when it starts,
 while this suite runs on one: tests/pipeline_worker.py runs them in a subprocess on 8 forced

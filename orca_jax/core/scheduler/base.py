@@ -1,25 +1,6 @@
-"""Iteration-level scheduler (Orca) and the request-level baseline.
-
-`schedule()` is called before every model step and returns that step's batch (`ScheduledBatch`:
-per row the sequence, its new tokens, where they start and whether the row samples). Policies:
-
-- "iteration": every running sequence gets its next token(s) first (decodes, then the rest of
-  chunked prefills); the remaining token budget admits waiting requests first come, first
-  served. Finished sequences leave after any step and new ones join at the next. When the page
-  pool runs dry the most recently admitted sequence is preempted: its pages are freed and it is
-  recomputed later (its generated tokens are kept; with prefix caching its full pages stay
-  cached, so its recompute will likely find them).
-- "request": Orca's baseline (FasterTransformer-style static batching). A batch is admitted
-  only when none is running, with pages for each member's whole length reserved up front, and
-  runs until every member has finished; later arrivals wait for the next batch. The step itself
-  is the same (selective batching kept: no padding, a finished member costs nothing), so the
-  two policies differ only here.
-- "request_padded": FasterTransformer as Orca measured it: "request"'s static batches, run as
-  a rectangle. A batch is admitted only while members x longest prompt fits the token budget,
-  and prefills in one step; each step computes every member's row padded to the step's
-  longest, finished members included, until the last member ends. The padding is real work:
-  `ScheduledBatch.num_padding_tokens`, which the step's token bucket holds. A prompt longer
-  than the budget is admitted alone and prefills in chunks. No drafts are verified.
+"""What every scheduling policy shares: the queues, admission, preemption, prefix caching, the
+in-flight rule and postprocess (`SchedulerBase`). The policies themselves, and the contract of a
+step's batch, are in `orca_jax.core.scheduler.scheduler`.
 
 Prefix caching (`EngineConfig.enable_prefix_caching`, iteration-level only): admission looks up
 the longest run of a sequence's full pages already in the cache (`PageAllocator.lookup`, by
@@ -46,114 +27,15 @@ from dataclasses import dataclass, field
 from orca_jax.config import EngineConfig
 from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.core.prefix_cache import extend_page_hashes
+from orca_jax.core.scheduler.scheduled_batch import ScheduledBatch, SlotAllocator
 from orca_jax.core.sequence import Sequence, SequenceStatus
 
 
-class ScheduledBatch:
-    """One step's rows, in order, as parallel lists. Iterating gives (sequence, new tokens)
-    pairs, and a batch compares equal to a list of such pairs."""
+class SchedulerBase:
+    """The scheduler's state and the parts every policy builds a step from: the queues and
+    slots, admission (first come, first served, with the prefix cache), page reservation and
+    preemption, the in-flight rule, and the one postprocess. `Scheduler` adds the policy."""
 
-    __slots__ = ("seqs", "num_new", "starts", "samples", "drafts", "pending_counted", "published", "in_flight",
-                 "num_padding_tokens")
-
-    def __init__(self):
-        self.seqs: list[Sequence] = []
-        self.num_new: list[int] = []
-        self.starts: list[int] = []  # tokens cached before this step
-        self.samples: list[bool] = []  # the row reaches the sequence's end, so it samples a token
-        # Speculative decoding: the draft tokens a row verifies after its last known token (the
-        # row's last len(drafts) tokens); () for every row without speculation.
-        self.drafts: list[tuple[int, ...]] = []
-        # schedule() has added each sampling row to its sequence's num_pending; `of` has not.
-        self.pending_counted = True
-        # (page, hash) published while this step was scheduled: its K/V are this step's to write.
-        self.published: list[tuple[int, bytes]] = []
-        # Counted in its sequences' num_in_flight until it returns (Scheduler.batch_returned).
-        self.in_flight = False
-        # Tokens the step computes beyond its rows' own, as FasterTransformer's rectangle would
-        # ("request_padded"): prompts padded to the batch's longest, and the slots of members
-        # that finished while the batch runs. The token bucket holds them; they write the sink page.
-        self.num_padding_tokens = 0
-
-    @classmethod
-    def of(cls, pairs) -> ScheduledBatch:
-        """A hand-made schedule (tests, kernel cases) from (sequence, new tokens) pairs whose
-        cached counts have not been advanced."""
-        batch = cls()
-        batch.pending_counted = False
-        for seq, n in pairs:
-            start = seq.num_computed_tokens
-            batch.add(seq, n, start, start + n == seq.num_tokens + seq.num_pending)
-        return batch
-
-    def add(self, seq: Sequence, n: int, start: int, samples: bool, drafts: tuple[int, ...] = ()) -> None:
-        self.seqs.append(seq)
-        self.num_new.append(n)
-        self.starts.append(start)
-        self.samples.append(samples)
-        self.drafts.append(drafts)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(d) for d in self.drafts)
-
-    def output_offsets(self) -> list[int]:
-        """Where each row's positions start in the step's outputs: a row has one sampled
-        position, plus one per draft token it verifies (the step program lays them out so)."""
-        offsets, at = [], 0
-        for drafts in self.drafts:
-            offsets.append(at)
-            at += 1 + len(drafts)
-        return offsets
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
-    def __iter__(self):
-        return zip(self.seqs, self.num_new)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __getitem__(self, row: int) -> tuple[Sequence, int]:
-        return self.seqs[row], self.num_new[row]
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)
-
-    def __repr__(self) -> str:
-        return f"ScheduledBatch({[(s.seq_id, n) for s, n in self]})"
-
-
-class SlotAllocator:
-    """Rows of the persistent batch state: one per running sequence, `max_num_seqs` of them.
-    Row `max_num_seqs` is the padding sink and never handed out (as page 0 is)."""
-
-    def __init__(self, max_num_seqs: int):
-        self.sink = max_num_seqs
-        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
-        self._in_use = [False] * max_num_seqs
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int:
-        if not self._free:  # the scheduler admits at most max_num_seqs, so this is a bug
-            raise RuntimeError("no free batch slot: more running sequences than max_num_seqs")
-        slot = self._free.pop()
-        self._in_use[slot] = True
-        return slot
-
-    def release(self, slot: int) -> None:
-        if not 0 <= slot < self.sink or not self._in_use[slot]:
-            raise ValueError(f"slot {slot} is not in use (released twice, or out of range)")
-        self._in_use[slot] = False
-        self._free.append(slot)
-
-
-class Scheduler:
     def __init__(self, config: EngineConfig, allocator: PageAllocator):
         self.config = config
         self.allocator = allocator
@@ -240,23 +122,8 @@ class Scheduler:
     def num_waiting_requests(self) -> int:
         return len(self._waiting_requests)
 
-    # ---- the per-step decision ---------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        self.num_schedules += 1
-        scheduled = self._schedule_policy()
-        scheduled.in_flight = bool(scheduled)  # an empty step is never dispatched
-        for seq in scheduled.seqs:
-            seq.num_in_flight += 1
-        return scheduled
-
-    def _schedule_policy(self) -> ScheduledBatch:
-        if self.config.scheduling == "request_padded":
-            return self._schedule_padded_batch()
-        if self.config.scheduling == "request":
-            return self._schedule_request_level()
-        return self._schedule_iteration_level()
-
-    def _schedulable_running(self) -> list[Sequence]:
+    # ---- what the policies build a step from --------------------------------------------------
+    def schedulable_running(self) -> list[Sequence]:
         """Running sequences with work, decodes first, then those still in (chunked) prefill.
         A sequence whose pending token already takes it to its length limit is left out: that
         token ends it, so another would be wasted."""
@@ -270,32 +137,13 @@ class Scheduler:
             (decoding if uncomputed == 1 else prefilling).append(seq)
         return decoding + prefilling
 
-    def _schedule_iteration_level(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        scheduled = ScheduledBatch()
-        # Every running sequence's next tokens first (preempting if pages run out); only then
-        # drafts, from the budget and the free pages that leaves, so drafts never displace a
-        # sequence's own token nor cause a preemption.
-        granted_rows = []
-        for seq in self._schedulable_running():
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
-                continue  # preempted to make room for an earlier sequence
-            granted = self._reserve_or_preempt(seq, min(seq.num_uncomputed_tokens, budget))
-            if granted:
-                seq.step_mark = self.num_schedules  # in this step: no longer a preemption victim
-                granted_rows.append((seq, granted))
-                budget -= granted
-        budget = self._grant_with_drafts(scheduled, granted_rows, budget, grow=True)
-        self._admit_waiting(scheduled, budget)
-        return scheduled
-
-    def _grant_with_drafts(self, scheduled: ScheduledBatch, granted_rows: list[tuple[Sequence, int]], budget: int,
+    def grant_with_drafts(self, scheduled: ScheduledBatch, granted_rows: list[tuple[Sequence, int]], budget: int,
                            *, grow: bool) -> int:
         """Add the rows whose own tokens are granted, each with the drafts the budget left after
         all of them allows (in row order); returns the budget left."""
         for seq, granted in granted_rows:
             drafts = self._drafts_to_verify(seq, budget, grow=grow)
-            self._grant(scheduled, seq, granted, drafts)
+            self.grant(scheduled, seq, granted, drafts)
             budget -= len(drafts)
         return budget
 
@@ -315,7 +163,7 @@ class Scheduler:
             self.allocator.grow_to(seq.page_ids, seq.num_computed_tokens + 1 + n)
         return tuple(drafts[:n])
 
-    def _grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
+    def grant(self, scheduled: ScheduledBatch, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> None:
         """The one place a row is added: its tokens (and drafts) count as computed from now on."""
         start = seq.num_computed_tokens
         seq.num_computed_tokens = start + n + len(drafts)
@@ -337,7 +185,7 @@ class Scheduler:
             seq.num_pending -= samples
             seq.num_published_pages = min(seq.num_published_pages, start // self.allocator.page_size)
 
-    def _admit_waiting(self, scheduled: ScheduledBatch, budget: int) -> None:
+    def admit_waiting(self, scheduled: ScheduledBatch, budget: int) -> None:
         """FCFS admission: the head of the queue goes first, and nothing overtakes it, except
         past a sequence whose grammar is still compiling (it waits, not the queue). A
         preempted sequence whose token is still in flight waits for it (its recompute needs
@@ -347,7 +195,7 @@ class Scheduler:
         first, which then takes the bound's worth."""
         cached_pages_left = self.config.cached_pages_per_step
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self._next_admissible()
+            seq = self.next_admissible()
             if seq is None or seq.num_pending or (self.excludes_in_flight and seq.num_in_flight):
                 break
             cached = self._cached_prefix(seq)
@@ -362,11 +210,11 @@ class Scheduler:
                 break
             cached_pages_left -= len(cached)
             self._count_lookup(seq)
-            self._move_to_running(seq)
-            self._grant(scheduled, seq, chunk)
+            self.move_to_running(seq)
+            self.grant(scheduled, seq, chunk)
             budget -= chunk
 
-    def _next_admissible(self) -> Sequence | None:
+    def next_admissible(self) -> Sequence | None:
         """The first waiting sequence that can run: one whose grammar is still compiling
         keeps its place but lets the others pass."""
         for seq in self.waiting:
@@ -434,7 +282,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_published_pages = 0
 
-    def _reserve_or_preempt(self, seq: Sequence, desired: int) -> int:
+    def reserve_or_preempt(self, seq: Sequence, desired: int) -> int:
         """Pages for up to `desired` new tokens of a running sequence, preempting the most
         recently admitted sequences not already in this step while none are free. Returns the
         tokens granted; 0 when `seq` itself had to be preempted."""
@@ -470,79 +318,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._waiting_requests[seq.request_id] += 1
 
-    def _schedule_request_level(self) -> ScheduledBatch:
-        if not self.running:
-            self._admit_static_batch()
-        budget = self.config.max_num_batched_tokens
-        scheduled = ScheduledBatch()
-        granted_rows = []
-        for seq in self._schedulable_running():
-            if budget == 0:
-                break
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            granted_rows.append((seq, chunk))
-            budget -= chunk
-        # Pages were reserved at admission, for the whole length drafts stay within.
-        self._grant_with_drafts(scheduled, granted_rows, budget, grow=False)
-        return scheduled
-
-    def _admit_static_batch(self) -> None:
-        """FCFS while slots, and pages for each member's whole length, last; "request_padded"
-        also stops where the batch's padded prefill would pass the token budget."""
-        longest = 0  # the longest prompt admitted: the width of the padded prefill
-        while len(self.running) < self.config.max_num_seqs:
-            seq = self._next_admissible()
-            if seq is None or seq.num_pending or not self._padded_prefill_fits(seq, longest):
-                break
-            if not self.allocator.grow_to(seq.page_ids, self.max_len(seq)):
-                break
-            longest = max(longest, seq.num_uncomputed_tokens)
-            self._move_to_running(seq)
-        self.static_batch_size = len(self.running)
-
-    def _padded_prefill_fits(self, seq: Sequence, longest: int) -> bool:
-        """Whether `seq` may join the static batch being admitted: under "request_padded" the
-        whole batch prefills in one step, every member padded to the longest prompt, so members
-        x longest must fit max_num_batched_tokens. A first member longer than that is admitted
-        alone and prefills in chunks of the budget (it has no one to be padded to): refusing it
-        would leave it waiting for ever, and FasterTransformer had no token budget to pass."""
-        if self.config.scheduling != "request_padded" or not self.running:
-            return True
-        width = max(longest, seq.num_uncomputed_tokens)
-        return (len(self.running) + 1) * width <= self.config.max_num_batched_tokens
-
-    def _schedule_padded_batch(self) -> ScheduledBatch:
-        """"request_padded": the static batch runs as FasterTransformer's rectangle. Each step
-        computes `width` tokens for every member, `width` the step's longest row (the longest
-        prompt in the prefill step, 1 in a decode step); what a member's row lacks of it, and the
-        whole row of a member that is done while the batch runs, is padding the step really
-        computes (`ScheduledBatch.num_padding_tokens`). Drafts are dropped unverified:
-        FasterTransformer did not speculate."""
-        if not self.running:
-            self._admit_static_batch()
-        members = self._schedulable_running()
-        rows = len(members) + self._done_members()
-        # Admission keeps members x longest prompt within the budget, so only a lone member
-        # longer than the budget (a long prompt, or one recomputed with its outputs after a lost
-        # cache) prefills in chunks.
-        width = min(max((seq.num_uncomputed_tokens for seq in members), default=0),
-                    self.config.max_num_batched_tokens // max(rows, 1))
-        scheduled = ScheduledBatch()
-        for seq in members:
-            seq.draft_token_ids = []
-            self._grant(scheduled, seq, min(seq.num_uncomputed_tokens, width))
-        scheduled.num_padding_tokens = rows * width - scheduled.num_tokens
-        return scheduled
-
-    def _done_members(self) -> int:
-        """Members of the running static batch with nothing left to compute whose slots
-        FasterTransformer still computes until the batch ends: those retired (finished or
-        aborted) and those whose last token is in flight."""
-        retired = self.static_batch_size - len(self.running)
-        ending = sum(seq.num_tokens + seq.num_pending >= self.max_len(seq) for seq in self.running)
-        return retired + ending
-
-    def _move_to_running(self, seq: Sequence) -> None:
+    def move_to_running(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:
             self.waiting.popleft()
         else:  # it passed sequences whose grammars are compiling
