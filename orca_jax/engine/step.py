@@ -23,7 +23,7 @@ from orca_jax.core.scheduler import ScheduledBatch, Scheduler, StepUpdate, StopR
 from orca_jax.engine.step_timing import StepTiming, StepTimeline
 
 if TYPE_CHECKING:  # the runner module imports the models; the protocol only names its report
-    from orca_jax.worker.runner import WarmupReport
+    from orca_jax.worker.runner_base import WarmupReport
 
 
 class PendingResult(Protocol):

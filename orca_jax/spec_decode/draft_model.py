@@ -32,7 +32,8 @@ import jax
 from orca_jax.config import EngineConfig
 from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
-from orca_jax.worker.runner import ModelRunner, WarmupReport
+from orca_jax.worker.runner import ModelRunner
+from orca_jax.worker.runner_base import WarmupReport
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import ScheduledBatch, SlotAllocator
 from orca_jax.core.sequence import Sequence, SequenceStatus

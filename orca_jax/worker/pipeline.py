@@ -72,9 +72,8 @@ from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_contex
 from orca_jax.models import abstract_variables, architecture
 from orca_jax.worker.pipeline_layout import (STAGE_AXIS, make_pipeline_mesh, slice_stage_params, stage_holds,
                                       stage_layer_ranges, stage_mesh, stage_processes)
-from orca_jax.worker.runner import PendingStep, WarmupReport, compile_workers
+from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, placed_once
 from orca_jax.worker.sampling import SampleOutput, sample
-from orca_jax.core.scheduler import ScheduledBatch
 from orca_jax.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
@@ -162,7 +161,7 @@ class StageTimeline:
             return sorted(self.records)
 
 
-class PipelineRunner:
+class PipelineRunner(RunnerBase):
     """The engine's runner (`orca_jax.engine.step.EngineRunner`) for pipeline_parallel_size > 1: the
     stages of `make_pipeline_mesh`, each with its programs, chained by device-to-device copies.
     `params`: the converted weights as numpy ({"params": ...}) or a checkpoint; each stage's
@@ -226,11 +225,7 @@ class PipelineRunner:
             stage.step = self._jit_stage(stage)
         self.timeline = StageTimeline(num_stages)
         self.num_dispatched = 0
-        self.last_build_s = 0.0
-        self.last_h2d_bytes = 0
-        self.last_h2d_arrays = 0
-        self.last_bucket = 0
-        self.first_use_build_s: dict[int, float] = {}
+        self._init_step_numbers()
         logger.info("pipeline: %d stages x %d devices (mesh %s), layers per stage %s", num_stages, tp,
                     dict(self.mesh.shape), [len(r) for r in ranges])
         if jax.process_count() > 1:
@@ -362,11 +357,7 @@ class PipelineRunner:
             for link, bucket, future in link_futures:
                 link.programs[bucket] = future.result()
         built = tuple(dict.fromkeys(b for _, b in todo + links))
-        if self.channel is not None:
-            # Multi-host: the other processes build their stages' and links' programs on first
-            # use; one padding step per bucket has them build all of them now (as ModelRunner).
-            for bucket in built:
-                self.send_and_run(empty_step_inputs(self.config, bucket)).result()
+        self._warm_followers(built)  # and their links'
         report = WarmupReport(built, time.perf_counter() - start, compile_counts() - counts_before)
         logger.info("warm-up: %d stage programs (%d stages, token buckets %s) in %.1f s: %d compiled, %d from the "
                     "compilation cache", len(todo), len(self.stages), list(built), report.seconds,
@@ -374,8 +365,7 @@ class PipelineRunner:
         return report
 
     def _lower(self, stage: Stage, bucket: int) -> jax.stages.Lowered:
-        if bucket not in self.config.token_buckets:
-            raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
+        self._check_bucket(bucket)
         args = [stage.params, stage.kv_cache, stage.state, empty_step_inputs(self.config, bucket)]
         if not stage.first:
             d = self.model_config.hidden_size
@@ -408,28 +398,12 @@ class PipelineRunner:
             logger.info("pipeline: %s for bucket %d built on first use (%.2f s)", what, bucket, seconds)
 
     # ---- one step -------------------------------------------------------------------------------
-    def dispatch(self, scheduled: ScheduledBatch) -> PendingStep:
-        """Build the step's inputs, enqueue every stage's program, each fed the previous
-        stage's activations on its own devices; returns without waiting."""
-        start = time.perf_counter()
-        inputs = self.batch_state.build(scheduled)
-        self.last_build_s = time.perf_counter() - start
-        return self.send_and_run(inputs)
-
-    def send_and_run(self, inputs: StepInputs) -> PendingStep:
-        """Run one step; a multi-host leader first hands the inputs to the other processes."""
-        if self.channel is not None:
-            self.channel.send(inputs)
-        return self.run(inputs)
-
     def run(self, inputs: StepInputs) -> PendingStep:
         """Enqueue this process's stages of one step (all of them on one process), and the links
         it takes part in, in stage order; followers call this directly. Returns the step's
         SampleOutput where it lands (the leader), elsewhere a step whose result() only waits."""
         bucket = inputs.num_tokens
-        leaves = [leaf for leaf in jax.tree.leaves(inputs) if isinstance(leaf, np.ndarray)]
-        self.last_h2d_bytes, self.last_h2d_arrays = sum(leaf.nbytes for leaf in leaves), len(leaves)
-        self.last_bucket = bucket
+        self._note_inputs(inputs)
         guided = bool((inputs.row_flags & ROW_GUIDED).any())
         batch, hidden, out = self.num_dispatched, None, None
         self.num_dispatched += 1
@@ -463,11 +437,8 @@ class PipelineRunner:
         return PendingStep(out)
 
     def _free_bitmask(self, stage: Stage, inputs: StepInputs) -> jax.Array:
-        """The bucket's all-ones token bitmask, on the stage's devices once (as ModelRunner's)."""
-        bucket = inputs.num_tokens
-        if bucket not in stage.free_bitmasks:
-            stage.free_bitmasks[bucket] = parallel.put_replicated(np.array(inputs.token_bitmask), stage.mesh)
-        return stage.free_bitmasks[bucket]
+        """The bucket's all-ones token bitmask, on the stage's devices once."""
+        return placed_once(stage.free_bitmasks, inputs, lambda mask: parallel.put_replicated(mask, stage.mesh))
 
 
 class _ReceivedStep(PendingStep):

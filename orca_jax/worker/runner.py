@@ -22,11 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -41,35 +39,15 @@ from orca_jax.distributed import parallel
 from orca_jax.worker.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.worker.compilation_cache import active_cache_dir
-from orca_jax.worker.compile_guard import CompileCounts, compile_counts
+from orca_jax.worker.compile_guard import compile_counts
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_context_to_pool
 from orca_jax.models import architecture
-from orca_jax.worker.sampling import SampleOutput, sample
+from orca_jax.worker.sampling import sample
 from orca_jax.worker.rejection import verify_drafts
-from orca_jax.core.scheduler import ScheduledBatch
+from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, placed_once
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WarmupReport:
-    buckets: tuple[int, ...]  # the token buckets built now (those built before are left out)
-    seconds: float
-    counts: CompileCounts  # programs built, and how many came from the persistent cache
-
-
-# One XLA CPU compile of a step program keeps ~1.7 cores busy on its own (measured on 2 cores:
-# 33-39 s of CPU in 20-23 s for the default model's 7 buckets one at a time). Two at once on 2
-# cores took as long and cost 15-30% more CPU, so a compile gets two cores.
-CORES_PER_COMPILE = 2
-
-
-def compile_workers(num_programs: int) -> int:
-    """Compiles to run at once: one per CORES_PER_COMPILE cores this process may use (at least
-    one, so that lowering the next bucket overlaps compiling the last)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(num_programs, cores // CORES_PER_COMPILE))
 
 
 def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size: int,
@@ -90,25 +68,7 @@ def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size
     return kv_cache, state, out
 
 
-class PendingStep:
-    """A dispatched step. Its outputs start copying to the host at once; `result()` waits for
-    them (numpy SampleOutput). `output` holds the device arrays (the step timeline waits on
-    them to time the device)."""
-
-    def __init__(self, output: SampleOutput):
-        self.output = output
-        for leaf in jax.tree.leaves(output):
-            leaf.copy_to_host_async()
-
-    def result(self) -> SampleOutput:
-        out = jax.tree.map(_to_host, self.output)
-        if out.unresolved_tokens is not None and int(out.unresolved_tokens):
-            raise RuntimeError(f"{int(out.unresolved_tokens)} token(s) of the step were not on the device: the "
-                               "persistent batch state is out of step with the scheduler")
-        return out
-
-
-class ModelRunner:
+class ModelRunner(RunnerBase):
     """Owns the weights, the KV cache and the compiled step programs.
 
     `mesh` (tensor parallelism, see `orca_jax.distributed.parallel`): weights, cache and batch carry
@@ -174,17 +134,9 @@ class ModelRunner:
             # are reused in place.
             self._step = jax.jit(step, in_shardings=(param_shardings, self.kv_sharding, replicated, replicated),
                                  out_shardings=(self.kv_sharding, replicated, replicated), donate_argnames=donated)
-        # Host side of the step: seconds building the last step's inputs and their bytes (the
-        # step timeline reads them).
-        self.last_build_s = 0.0
-        self.last_h2d_bytes = 0
-        self.last_h2d_arrays = 0
-        self.last_bucket = 0
+        self._init_step_numbers()
         self._programs: dict[int, jax.stages.Compiled] = {}
-        # Per token bucket, the all-ones token bitmask on the device: a step with no guided
-        # row sends it no bitmask (S x V/32 words, 196 KB at S = 32 and V = 49152).
-        self._free_bitmasks: dict[int, jax.Array] = {}
-        self.first_use_build_s: dict[int, float] = {}  # seconds per bucket built by a step, not by warm-up
+        self._free_bitmasks: dict[int, jax.Array] = {}  # per token bucket (placed_once)
 
     def _program_key(self, attention_impl: str, keep_logits: bool) -> dict:
         """What fixes the step besides its arguments' shapes (step_export.program_key adds those,
@@ -237,11 +189,7 @@ class ModelRunner:
             futures = {b: pool.submit(self._lower(b).compile) for b in todo}
             for bucket, future in futures.items():
                 self._programs[bucket] = future.result()
-        if self.channel is not None:
-            # Multi-host followers build their programs on first use: one padding step per
-            # bucket has them build all of them now rather than in the first requests.
-            for bucket in todo:
-                self.send_and_run(empty_step_inputs(self.config, bucket)).result()
+        self._warm_followers(todo)
         report = WarmupReport(tuple(todo), time.perf_counter() - start, compile_counts() - counts_before)
         logger.info(
             "warm-up: %d step programs (token buckets %s) in %.1f s: %d compiled, %d from the compilation cache",
@@ -250,8 +198,7 @@ class ModelRunner:
         return report
 
     def _lower(self, bucket: int) -> jax.stages.Lowered:
-        if bucket not in self.config.token_buckets:
-            raise ValueError(f"batch of {bucket} tokens is not a compiled bucket {self.config.token_buckets}")
+        self._check_bucket(bucket)
         args = (self.params, self.kv_cache, self.state, empty_step_inputs(self.config, bucket))
         if self._exports is not None:  # read back (no trace) or exported now, then lowered the same way
             return self._exports.lower(self._step, args)
@@ -265,27 +212,12 @@ class ModelRunner:
             self.first_use_build_s[bucket] = time.perf_counter() - start
         return self._programs[bucket]
 
-    def dispatch(self, scheduled: ScheduledBatch) -> PendingStep:
-        """Build the step's inputs and enqueue its program; returns without waiting for it."""
-        start = time.perf_counter()
-        inputs = self.batch_state.build(scheduled)
-        self.last_build_s = time.perf_counter() - start
-        return self.send_and_run(inputs)
-
-    def send_and_run(self, inputs: StepInputs) -> PendingStep:
-        """Run one step; a multi-host leader first hands the inputs to the other processes."""
-        if self.channel is not None:
-            self.channel.send(inputs)
-        return self.run(inputs)
-
     def run(self, inputs: StepInputs) -> PendingStep:
         """Enqueue one step of this process's part (followers call this directly)."""
         program = self._program(inputs)
         if not (inputs.row_flags & ROW_GUIDED).any():
             inputs = dataclasses.replace(inputs, token_bitmask=self._free_bitmask(inputs))
-        leaves = [leaf for leaf in jax.tree.leaves(inputs) if isinstance(leaf, np.ndarray)]
-        self.last_h2d_bytes, self.last_h2d_arrays = sum(leaf.nbytes for leaf in leaves), len(leaves)
-        self.last_bucket = inputs.num_tokens
+        self._note_inputs(inputs)
         # One device: numpy goes straight in. Mesh: a replicated global array per field (built
         # from this process's copy; every process holds the same inputs).
         device_inputs = inputs if self.mesh is None else self._put(inputs)
@@ -293,17 +225,5 @@ class ModelRunner:
         return PendingStep(out)
 
     def _free_bitmask(self, inputs: StepInputs) -> jax.Array:
-        """The bucket's all-ones token bitmask, placed on the device(s) once. device_put, not
-        jnp.asarray: the latter runs a copy program, a compile while serving."""
-        bucket = inputs.num_tokens
-        if bucket not in self._free_bitmasks:
-            mask = np.array(inputs.token_bitmask)
-            placed = jax.device_put(mask) if self.mesh is None else parallel.put_replicated(mask, self.mesh)
-            self._free_bitmasks[bucket] = placed
-        return self._free_bitmasks[bucket]
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """A replicated result as numpy. Its first local shard is the whole value, which also holds
-    when other processes own some of its devices (then np.asarray(x) would refuse)."""
-    return np.asarray(x.addressable_data(0))
+        place = jax.device_put if self.mesh is None else functools.partial(parallel.put_replicated, mesh=self.mesh)
+        return placed_once(self._free_bitmasks, inputs, place)

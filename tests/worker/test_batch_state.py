@@ -26,7 +26,7 @@ from orca_jax.worker.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS,
                                   page_write_capacity, record_sampled)
 from orca_jax.config import MAX_CACHED_PAGES_PER_STEP, EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
-from orca_jax.worker.runner import PendingStep
+from orca_jax.worker.runner_base import PendingStep
 from orca_jax.worker.sampling import SampleOutput
 from orca_jax.core.sampling_params import SamplingParams
 from orca_jax.core.scheduler import ScheduledBatch, Scheduler, SlotAllocator

@@ -87,9 +87,3 @@ def test_an_explicit_max_model_len_longer_than_the_pool_is_kept_with_a_warning(t
         engine = tiny_engine_factory(**dict(SMALL, max_model_len=256, num_pages=24), warmup=False)
     assert engine.config.max_model_len == 256
     assert "max_model_len 256 is longer than the KV pool (24 pages, 184 tokens)" in caplog.text
-
-
-@pytest.mark.parametrize("cores, programs, workers", [(1, 7, 1), (2, 7, 1), (4, 7, 2), (16, 7, 7), (16, 0, 1)])
-def test_a_compile_gets_two_cores(monkeypatch, cores, programs, workers):
-    monkeypatch.setattr(runner_module.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert runner_module.compile_workers(programs) == workers
