@@ -25,7 +25,7 @@ Three parts, each a table and rows of the JSON (written after every row):
   bfloat16 and best float32 rates): 2 x layer matmul parameters per token, 2 x vocab x hidden
   for the one row of logits the prompt needs, 4 x heads x head_dim per causal (query, key)
   pair per layer. Attention share as for decode, and attention's time over its FLOP time.
-* sampler: `orca_jax.sampling.sample` jitted alone on random logits [S, vocab], normal x
+* sampler: `orca_jax.worker.sampling.sample` jitted alone on random logits [S, vocab], normal x
   each of `--logit-scales`: x 3 is a flat distribution (top_p=0.9 keeps ~2,000 of 49,152
   tokens, past the sampler's 256 candidates, so its exact bisection runs), x 8 a peaked one
   (the nucleus within a few tokens, as at most steps of a chat model), for several mixes of
@@ -177,11 +177,11 @@ def build_runner(model: str | None, dtype: str, kv_cache_dtype: str, attention_i
                  max_num_batched_tokens: int, max_model_len: int, num_pages: int, page_size: int):
     """The engine's ModelRunner, weights in `dtype`, KV cache in `kv_cache_dtype` ("same": in
     `dtype`; "auto": the engine's rule), built as LLMEngine builds it."""
-    from orca_jax.compilation_cache import configure_for_process
+    from orca_jax.worker.compilation_cache import configure_for_process
     from orca_jax.config import EngineConfig
     from orca_jax.kernels import resolve_impl
-    from orca_jax.models.loader import load_model
-    from orca_jax.runner import ModelRunner
+    from orca_jax.loading.loader import load_model
+    from orca_jax.worker.runner import ModelRunner
 
     kv_cache_dtype = dtype if kv_cache_dtype == "same" else kv_cache_dtype
     config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
@@ -210,10 +210,10 @@ def fill_kv_cache_randomly(runner, seed: int = 0) -> None:
 
 def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
     """StepInputs fields of a step whose first `num_rows` rows are greedy and the rest padding."""
-    from orca_jax.batch import token_bucket
-    from orca_jax.batch_state import REPETITION, TOP_P, page_write_capacity
-    from orca_jax.guided_decoding import all_allowed_bitmask
-    from orca_jax.kv_cache import PADDING_PAGE
+    from orca_jax.worker.batch import token_bucket
+    from orca_jax.worker.batch_state import REPETITION, TOP_P, page_write_capacity
+    from orca_jax.structured.guided_decoding import all_allowed_bitmask
+    from orca_jax.core.kv_cache import PADDING_PAGE
 
     T = token_bucket(config, num_tokens)
     S = config.seq_bucket(T)
@@ -237,7 +237,7 @@ def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int =
     """A decode step of `batch` sequences in slots 0..batch-1, each feeding its token at
     position context - 1 (its first output token), so attention visits `context` tokens.
     Their pages are already on the device (`decode_page_table`): no page writes, no joins."""
-    from orca_jax.batch_state import ROW_SAMPLES, StepInputs
+    from orca_jax.worker.batch_state import ROW_SAMPLES, StepInputs
 
     f = _row_arrays(config, batch, batch)
     f["input_ids"][:batch] = np.random.default_rng(seed).integers(0, vocab_size, batch)
@@ -250,8 +250,8 @@ def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int =
 
 def decode_page_table(config, batch: int, context: int) -> np.ndarray:
     """i32[R, P]: slot s owns pages 1 + s * P + (0, 1, ...), as many as `context` tokens fill."""
-    from orca_jax.batch_state import num_slots
-    from orca_jax.kv_cache import PADDING_PAGE
+    from orca_jax.worker.batch_state import num_slots
+    from orca_jax.core.kv_cache import PADDING_PAGE
 
     P = config.max_pages_per_seq
     table = np.full((num_slots(config), P), PADDING_PAGE, np.int32)
@@ -268,7 +268,7 @@ def install_page_table(runner, table: np.ndarray) -> None:
 def prefill_inputs(config, vocab_size: int, tokens: int, seed: int = 0):
     """The first chunk of one new sequence: it joins slot 0 with `tokens` prompt tokens, its
     pages (1, 2, ...) sent in the step's page writes, as the engine sends them."""
-    from orca_jax.batch_state import ROW_JOINS, ROW_SAMPLES, StepInputs
+    from orca_jax.worker.batch_state import ROW_JOINS, ROW_SAMPLES, StepInputs
 
     f = _row_arrays(config, tokens, 1)
     f["input_ids"][:tokens] = np.random.default_rng(seed).integers(0, vocab_size, tokens)
@@ -281,7 +281,7 @@ def prefill_inputs(config, vocab_size: int, tokens: int, seed: int = 0):
 
 def step_metadata(runner, inputs):
     """The AttentionMetadata the step program builds from `inputs` (its own `expand`)."""
-    from orca_jax.batch_state import expand
+    from orca_jax.worker.batch_state import expand
 
     _, batch, _, _ = jax.jit(functools.partial(expand, page_size=runner.config.page_size))(runner.state, inputs)
     return batch.metadata
@@ -323,7 +323,7 @@ def time_attention(runner, inputs, repeats: Repeats) -> Timing:
 
 # ---- the three parts ----------------------------------------------------------------------
 def run_decode(args, dtype: str, bandwidth_bps: float, on_row) -> None:
-    from orca_jax.batch import token_bucket
+    from orca_jax.worker.batch import token_bucket
     from orca_jax.config import EngineConfig
 
     ps = args.page_size
@@ -367,7 +367,7 @@ def run_decode(args, dtype: str, bandwidth_bps: float, on_row) -> None:
 
 
 def run_prefill(args, dtype: str, matmul: dict, on_row) -> None:
-    from orca_jax.batch import token_bucket
+    from orca_jax.worker.batch import token_bucket
     from orca_jax.bench.roofline import count_params
     from orca_jax.config import EngineConfig
 
@@ -409,7 +409,7 @@ def _warm_up(runner, buckets: list[int]) -> float:
 
 def sampler_inputs(mix: str, rows: int):
     """SamplingInputs of `rows` rows: greedy, with the mix's settings on all rows or the first."""
-    from orca_jax.batch import SamplingInputs
+    from orca_jax.worker.batch import SamplingInputs
 
     which, settings = SAMPLER_MIXES[mix]
     fields = dict(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
@@ -425,7 +425,7 @@ def sampler_inputs(mix: str, rows: int):
 
 def run_sampler(args, on_row) -> None:
     from orca_jax.config import EngineConfig
-    from orca_jax.sampling import TokenCounts, sample
+    from orca_jax.worker.sampling import TokenCounts, sample
 
     max_logprobs = EngineConfig().max_logprobs
     # One program per shape serves every mix (its optional work sits behind lax.cond).

@@ -39,9 +39,9 @@ TINY = dict(LLAMA_3_2_1B, vocab_size=512, hidden_size=128, intermediate_size=256
 
 def check_parity(workdir: Path) -> dict:
     """Same engine batches on CPU and GPU; logits and greedy tokens must agree."""
-    from orca_jax.engine import LLMEngine
-    from orca_jax.runner import ModelRunner
-    from orca_jax.sampling_params import SamplingParams
+    from orca_jax.engine.engine import LLMEngine
+    from orca_jax.worker.runner import ModelRunner
+    from orca_jax.core.sampling_params import SamplingParams
 
     path = write_random_checkpoint(workdir / "tiny", TINY, "float32")
     prompts = [list(range(3, 3 + n)) for n in (5, 23, 40, 9)]
@@ -68,9 +68,9 @@ def check_parity(workdir: Path) -> dict:
 
 def check_serving(workdir: Path, batch_sizes: list[int], context: int) -> dict:
     """Warm-up, zero compiles while serving, and decode steps/s at each batch size."""
-    from orca_jax.compile_guard import compile_count, no_compiles
-    from orca_jax.engine import LLMEngine
-    from orca_jax.sampling_params import SamplingParams
+    from orca_jax.worker.compile_guard import compile_count, no_compiles
+    from orca_jax.engine.engine import LLMEngine
+    from orca_jax.core.sampling_params import SamplingParams
 
     path = write_random_checkpoint(workdir / "llama-1b", LLAMA_3_2_1B, "bfloat16")
     start = time.perf_counter()

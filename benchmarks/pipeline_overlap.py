@@ -1,5 +1,5 @@
 """Do the batches in flight of a pipeline really overlap? Forced host devices, a random Llama
-model, the stage clock on (orca_jax/pipeline.py: StageTimeline), analysed by
+model, the stage clock on (orca_jax/worker/pipeline.py: StageTimeline), analysed by
 orca_jax/bench/stage_overlap.py.
 
     python benchmarks/pipeline_overlap.py [--json docs/pipeline_cpu.json] [--layouts 2x1,4x1,2x2]
@@ -31,7 +31,7 @@ from orca_jax import SamplingParams  # noqa: E402
 from orca_jax.bench.environment import machine_info, now_utc  # noqa: E402
 from orca_jax.bench.random_model import write_random_checkpoint  # noqa: E402
 from orca_jax.bench.stage_overlap import analyze  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
 
 # Large enough that a stage's compute outweighs dispatching it (about 10 ms per stage here).
 MODEL = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=512,

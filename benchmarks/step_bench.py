@@ -12,7 +12,7 @@ of `--context` tokens, prefill them (every request asks for enough tokens to sti
 afterwards), then time 32 decode steps of `LLMEngine.step()` with exactly that many sequences
 (schedule, build the batch, run the jitted step, sample, post-process), report the median, and
 abort the requests. The timed steps run with the engine's step timeline on
-(`orca_jax.step_timing`): the device step time and the device's idle share between
+(`orca_jax.engine.step_timing`): the device step time and the device's idle share between
 consecutive steps come from its timestamps, beside the median `step()` wall time.
 
 Modes (issue 13): `--modes sync,async` runs one engine per scheduling mode
@@ -80,8 +80,8 @@ def time_decode_steps(engine, batch: int, context: int, steps: int = 32) -> dict
     """Median seconds of one decode `step()` with exactly `batch` sequences, their mean cached
     tokens during the timed steps (for the KV bytes of the roofline), and what the step
     timeline says of those steps (device step, device idle share, host work)."""
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.step_timing import derive, summarize
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.engine.step_timing import derive, summarize
 
     rng = np.random.default_rng(batch)
     max_tokens = tokens_per_request(batch, context, engine.config.max_num_batched_tokens, steps)
@@ -143,8 +143,8 @@ def held_kv_bytes_per_token(engine) -> float:
 def run(workdir: Path, batch_sizes: list[int], context: int, copy_gbs: float, modes: list[str],
         with_reference: bool = True, on_row=lambda row: None, quantization: str | None = None,
         kv_cache_dtype: str = "auto") -> list[dict]:
-    from orca_jax.compile_guard import no_compiles
-    from orca_jax.engine import LLMEngine
+    from orca_jax.worker.compile_guard import no_compiles
+    from orca_jax.engine.engine import LLMEngine
 
     path = write_random_checkpoint(workdir / "llama-1b", LLAMA_3_2_1B, "bfloat16")
     budget = max(512, max(batch_sizes))

@@ -7,11 +7,11 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.engine import LLMEngine
-from orca_jax.llm import LLM
-from orca_jax.outputs import CompletionOutput, RequestOutput
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.entrypoints.llm import LLM
+from orca_jax.engine.outputs import CompletionOutput, RequestOutput
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",

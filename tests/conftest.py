@@ -201,7 +201,7 @@ def tiny_engine_factory(tiny_llama_dir):
     bucketing runs the same steps, padded to the one bucket. The defaults are the settings most
     modules need, so that engines built alike in different modules share their programs (the
     run's persistent compilation cache)."""
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     def build(**overrides):
         settings = dict(model=str(tiny_llama_dir), **TINY_ENGINE)
@@ -238,11 +238,11 @@ def logits_engine(**settings):
     """An LLMEngine whose steps also return their logits (`engine.last_step.output.logits`):
     the runner seam with `keep_logits`, one compiled program per bucket as in serving. One
     step at a time (each step() completes the step it dispatched), unless told otherwise;
-    overlapped steps give the same tokens (tests/test_async_scheduling.py)."""
+    overlapped steps give the same tokens (tests/engine/test_async_scheduling.py)."""
     import functools
 
-    from orca_jax.engine import LLMEngine
-    from orca_jax.runner import ModelRunner
+    from orca_jax.engine.engine import LLMEngine
+    from orca_jax.worker.runner import ModelRunner
 
     settings.setdefault("async_scheduling", False)
     return LLMEngine(make_runner=functools.partial(ModelRunner, keep_logits=True), **settings)

@@ -1,5 +1,5 @@
-"""Tensor-parallel checks on 8 forced host devices, run as a subprocess by tests/test_parallel.py
-and tests/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
+"""Tensor-parallel checks on 8 forced host devices, run as a subprocess by tests/distributed/test_parallel.py
+and tests/loading/test_checkpoint.py (the device count is fixed when JAX starts, and the rest of the
 suite runs on one device). Prints one JSON object of measurements; the tests assert on it.
 
     python tests/parallel_worker.py tp MODEL_DIR 1,2,pallas_gpu@2,ep@2 [QUANTIZATION]   logits, tokens, shardings, HLO
@@ -21,8 +21,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
-from orca_jax.runner import ModelRunner  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
+from orca_jax.worker.runner import ModelRunner  # noqa: E402
 
 # One token bucket (16) and no warm-up: one program per engine, its step keeping the logits.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=32,
@@ -138,10 +138,11 @@ def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) ->
 def checkpoint_run(hf_dir: str, ckpt_dir: str, out_dir: str) -> dict:
     """A checkpoint converted on one device, restored onto meshes of 2 and 4 (KV heads
     replicated 2x at 4); and one converted sharded over 4 devices, restored on one."""
-    from orca_jax import checkpoint, parallel
-    from orca_jax.convert import convert
+    from orca_jax.loading import checkpoint
+    from orca_jax.distributed import parallel
+    from orca_jax.loading.convert import convert
     from orca_jax.models import logical_specs
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
 
     def equal(restored, expected) -> bool:
         a, b = parallel.tree_paths(restored), parallel.tree_paths(expected)

@@ -1,4 +1,4 @@
-"""Pipeline-parallel checks on 8 forced host devices, run as a subprocess by tests/test_pipeline.py
+"""Pipeline-parallel checks on 8 forced host devices, run as a subprocess by tests/worker/test_pipeline.py
 (JAX fixes the device count when it starts; the rest of the suite runs on one device). Prints
 one JSON object; the tests assert on it.
 
@@ -20,9 +20,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.compile_guard import compile_count  # noqa: E402
-from orca_jax.engine import LLMEngine  # noqa: E402
-from orca_jax.structured_outputs import StructuredOutputsParams  # noqa: E402
+from orca_jax.worker.compile_guard import compile_count  # noqa: E402
+from orca_jax.engine.engine import LLMEngine  # noqa: E402
+from orca_jax.structured.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 # One token bucket (32); prompts up to 41 tokens are prefilled in chunks; a pool of 40
 # pages of 4 tokens (156 usable tokens) is smaller than the workload, so sequences get
@@ -113,9 +113,9 @@ def restore_per_stage(model: str, ckpt: str, pp: int, tp: int) -> dict:
     compare every stage's arrays with the host's slices; then tokens from the checkpoint."""
     import jax
 
-    from orca_jax.checkpoint import open_checkpoint
-    from orca_jax.convert import convert
-    from orca_jax.pipeline_layout import make_pipeline_mesh, slice_stage_params, stage_layer_ranges, stage_mesh
+    from orca_jax.loading.checkpoint import open_checkpoint
+    from orca_jax.loading.convert import convert
+    from orca_jax.worker.pipeline_layout import make_pipeline_mesh, slice_stage_params, stage_layer_ranges, stage_mesh
 
     convert(model, ckpt)
     checkpoint = open_checkpoint(ckpt)

@@ -42,7 +42,7 @@ class BenchmarkError(RuntimeError):
 
 def greedy_no_eos(max_tokens: int):
     """Orca's requests: exactly `max_tokens` tokens (EOS ignored); greedy, so runs repeat."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 

@@ -1,7 +1,7 @@
 """`orca-jax bench host`: where the host's time goes in one engine step, and how long the device
 waits for it, in both scheduling modes side by side (issue 13).
 
-The engine records each dispatched step in `LLMEngine.timeline` (`orca_jax.step_timing`): the
+The engine records each dispatched step in `LLMEngine.timeline` (`orca_jax.engine.step_timing`): the
 host parts (schedule, build, dispatch, postprocess, detokenize, outputs, gc), the bytes sent to
 the device, and, from a watcher thread, when the device finished it. From those: the device step
 time, the device's idle time between consecutive steps (what the host left on the critical
@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from orca_jax.bench.driver import BenchmarkError
-from orca_jax.step_timing import HOST_PARTS, derive, summarize
+from orca_jax.engine.step_timing import HOST_PARTS, derive, summarize
 
 MIXES = ("greedy", "realistic")
 MODES = ("sync", "async")
@@ -171,7 +171,7 @@ def cell_step_limit(s: HostSettings, cell: Cell) -> int:
 
 def mix_params(mix: str, index: int, max_tokens: int):
     """SamplingParams of request `index` in `mix` (EOS ignored; deltas when the engine has them)."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     common: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=True)
     if delta_outputs_supported():
@@ -187,7 +187,7 @@ def mix_params(mix: str, index: int, max_tokens: int):
 
 
 def delta_outputs_supported() -> bool:
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     return "output_kind" in {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -207,11 +207,11 @@ def engine_config_fields() -> set[str]:
 
 
 def require_timeline(engine) -> None:
-    from orca_jax.step_timing import StepTimeline
+    from orca_jax.engine.step_timing import StepTimeline
 
     if not isinstance(getattr(engine, "timeline", None), StepTimeline):
         raise BenchmarkError(
-            "bench host reads LLMEngine.timeline, an orca_jax.step_timing.StepTimeline that the engine fills "
+            "bench host reads LLMEngine.timeline, an orca_jax.engine.step_timing.StepTimeline that the engine fills "
             "with one StepTiming per dispatched step (and watch()es its device output); this engine has "
             f"{type(getattr(engine, 'timeline', None)).__name__!s} there. The engine of issue 13 adds it.")
 
@@ -287,7 +287,7 @@ def warm_up(engine, feeder: RequestFeeder, cell: Cell, limit: int) -> int:
 
 
 def run_cell(engine, cell: Cell, mode: str, s: HostSettings) -> dict[str, Any]:
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     timeline = engine.timeline
     feeder = RequestFeeder(engine, cell.mix, s.prompt_len, f"{mode}-{cell.label}".replace(" ", "-"),
@@ -351,7 +351,7 @@ def cell_record(cell: Cell, mode: str, summary: dict[str, Any], recorded: int, e
 # ---- the run --------------------------------------------------------------------------------------
 def build_engine(model_dir: Path, mode: str, max_model_len: int, max_num_seqs: int, num_pages: int,
                  s: HostSettings, config_fields: set[str]):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     args = dict(model=str(model_dir), max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=max_model_len,
@@ -433,7 +433,7 @@ def _run_group(model_dir: Path, max_model_len: int, cells: list[Cell], modes: li
 
 def run_offline_modes(s: HostSettings, modes: list[str], progress) -> list[dict[str, Any]]:
     """`bench offline`'s timed orca_jax run (`run_orca`, its trace) at each max_num_seqs, per mode."""
-    from orca_jax import LLM
+    from orca_jax.entrypoints.llm import LLM
     from orca_jax.bench.offline import OfflineSettings, run_orca
     from orca_jax.bench.trace import make_trace
 

@@ -71,7 +71,7 @@ class OfflineSettings:
 
 def start_orca(s: OfflineSettings) -> dict[str, Any]:
     """Build the engine (weights load + XLA warm-up over every token bucket), outside timing."""
-    from orca_jax import LLM
+    from orca_jax.entrypoints.llm import LLM
 
     engine_args = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                        dtype=s.dtype, page_size=s.page_size, async_scheduling=s.async_scheduling)
@@ -87,8 +87,8 @@ def start_orca(s: OfflineSettings) -> dict[str, Any]:
 def run_orca(llm, trace: Trace) -> dict[str, Any]:
     import jax
 
-    from orca_jax.compile_guard import compile_count
-    from orca_jax.kv_cache import kv_bytes_per_page
+    from orca_jax.worker.compile_guard import compile_count
+    from orca_jax.core.kv_cache import kv_bytes_per_page
 
     engine = llm.engine
     start = time.perf_counter()  # untimed warm-up through the whole host path
@@ -220,7 +220,7 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())
 

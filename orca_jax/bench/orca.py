@@ -85,7 +85,7 @@ def engine_settings(s: SweepSettings) -> dict:
 
 
 def build_engines(s: SweepSettings) -> dict:
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     common = engine_settings(s)
     return {policy: LLMEngine(scheduling=policy, **common) for policy in s.policies}
@@ -99,7 +99,7 @@ def trace_for(engine, s: SweepSettings) -> Trace:
 
 def timed_run(engine, trace: Trace, hold_until_batch_ends: bool = False) -> dict:
     """One open-loop run; the summary plus what the engine did (steps, preemptions, compiles)."""
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     compiles, steps, preemptions = compile_count(), engine.num_steps, engine.scheduler.num_preemptions
     timings = run_open_loop(engine, trace, hold_until_batch_ends=hold_until_batch_ends)
@@ -177,7 +177,7 @@ def analyze(runs: list[dict], policies: tuple[str, ...], slo_ms_per_token: float
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())
 

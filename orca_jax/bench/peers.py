@@ -64,7 +64,7 @@ def system_result(name: str, trace: Trace, wall_s: float, processed: int, wasted
 
 def hf_load_kwargs(model: str | None) -> tuple[str, dict[str, Any]]:
     """The `from_pretrained` arguments that load the same weights orca_jax loads."""
-    from orca_jax.models.loader import resolve_model_path
+    from orca_jax.loading.loader import resolve_model_path
 
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.kv_cache import create_kv_cache
+from orca_jax.core.kv_cache import create_kv_cache
 
 DEFAULT_CHUNK_SIZE = 256
 

@@ -100,7 +100,7 @@ class PromptTokensComputed:
 
 
 def build_engines(s: PrefixSettings) -> dict[bool, Any]:
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     common = dict(model=s.model, dtype=s.dtype, max_num_seqs=s.max_num_seqs,
                   max_num_batched_tokens=s.max_num_batched_tokens, page_size=s.page_size,
@@ -112,7 +112,7 @@ def build_engines(s: PrefixSettings) -> dict[bool, Any]:
 
 def timed_run(engine, trace: Trace) -> dict[str, Any]:
     """One open-loop run with the cache emptied first; summary, prompt tokens computed, hits."""
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.worker.compile_guard import compile_count
 
     engine.reset_prefix_cache()
     compiles, hits, steps = compile_count(), engine.scheduler.prefix_cache_hits, engine.num_steps
@@ -127,7 +127,7 @@ def timed_run(engine, trace: Trace) -> dict[str, Any]:
 
 
 def n_samples_run(engine, prompt: list[int], n: int, output_len: int) -> dict[str, int]:
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     engine.reset_prefix_cache()
     with PromptTokensComputed(engine) as computed:
@@ -185,10 +185,10 @@ def scheduler_seconds_per_step(config, trace: Trace, repeats: int = 5) -> float:
     model that samples token 0 and retires each request at its drawn length: what prefix
     caching adds on the host (hashing pages, lookups, publishing) without the device's noise.
     The best of `repeats` runs."""
-    from orca_jax.kv_cache import PageAllocator
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.scheduler import Scheduler
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.kv_cache import PageAllocator
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.scheduler import Scheduler
+    from orca_jax.core.sequence import Sequence
 
     best = float("inf")
     for _ in range(repeats):

@@ -222,7 +222,7 @@ def offline_trace(engine, s: QuantSettings):
 # ---- one engine -----------------------------------------------------------------------------------
 def build(s: QuantSettings, label: str):
     """(LLM, seconds to build it): weights loaded, KV cache allocated, every bucket compiled."""
-    from orca_jax import LLM
+    from orca_jax.entrypoints.llm import LLM
 
     started = time.perf_counter()
     llm = LLM(model=s.model, **s.engine_args(label))
@@ -232,7 +232,7 @@ def build(s: QuantSettings, label: str):
 def memory_numbers(llm, s: QuantSettings) -> dict[str, Any]:
     import jax
 
-    from orca_jax.kv_cache import kv_bytes_per_page
+    from orca_jax.core.kv_cache import kv_bytes_per_page
 
     engine, runner = llm.engine, llm.engine.runner
     page_size = engine.config.page_size
@@ -264,7 +264,7 @@ def memory_numbers(llm, s: QuantSettings) -> dict[str, Any]:
 def warm_up(engine, prompts: list[list[int]]) -> None:
     """The largest batch for a few tokens through the whole host path (prefill, decode,
     detokenizer); the engine compiled its step programs when it was built."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -279,8 +279,8 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> d
     from the step that gives the last request its first token to the step that finishes the
     last one; tok/s = tokens made in that span / its length. Each request's token ids under
     "tokens" (popped by the caller)."""
-    from orca_jax import SamplingParams
-    from orca_jax.compile_guard import compile_count
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.worker.compile_guard import compile_count
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     n = len(prompts)
@@ -747,6 +747,6 @@ def _fmt(value: float | None, digits: int) -> str:
 
 
 def _default_model_name() -> str:
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.loader import default_model_path
 
     return str(default_model_path())

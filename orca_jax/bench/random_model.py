@@ -90,8 +90,8 @@ def default_model_tokenizer():
     """The tokenizer the embedded default model loads (built from its GGUF metadata, no torch)."""
     import gguf
 
-    from orca_jax.models.gguf_tokenizer import tokenizer_from_gguf
-    from orca_jax.models.loader import default_model_path
+    from orca_jax.loading.gguf_tokenizer import tokenizer_from_gguf
+    from orca_jax.loading.loader import default_model_path
 
     return tokenizer_from_gguf(gguf.GGUFReader(str(default_model_path())))
 

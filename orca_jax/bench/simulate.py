@@ -1,6 +1,6 @@
 """`orca-jax bench simulate`: Orca's experiment at the paper's scale, without the model.
 
-The engine's own step halves (`orca_jax.step.dispatch_step` / `complete_step`: the real
+The engine's own step halves (`orca_jax.engine.step.dispatch_step` / `complete_step`: the real
 `Scheduler`, `PageAllocator` and postprocess) run on a virtual clock, with a runner that
 stands in for the model (`ZeroTokenRunner`: every sampled token is 0, EOS is ignored).
 Everything the scheduler decides (admission, chunking, page allocation, preemption, the
@@ -44,8 +44,8 @@ from orca_jax.bench.driver import BatchReturns, holds_until_batch_ends
 from orca_jax.bench.latency import RequestTiming, summarize
 from orca_jax.bench.orca import BASELINE_KEYS, POLICIES, analyze
 from orca_jax.bench.trace import Trace, make_trace
-from orca_jax.sampling import SampleOutput
-from orca_jax.step import Ready, complete_step, dispatch_step
+from orca_jax.worker.sampling import SampleOutput
+from orca_jax.engine.step import Ready, complete_step, dispatch_step
 
 # Orca, section 6.2, GPT-3 175B on 16 A100s: at a median normalized latency of 190 ms/token,
 # 6.81 requests/s for Orca against 0.185 for FasterTransformer.
@@ -59,8 +59,8 @@ def scheduler_for(cost: CostModel, policy: str, max_model_len: int, num_pages: i
     the cost model's shape (GPT-3 style: multi-head attention, a 4x MLP), with the cost model's
     pipeline stages (`pipeline_parallel_size`: Orca's rule on sequences in flight)."""
     from orca_jax.config import EngineConfig, ModelConfig
-    from orca_jax.kv_cache import PageAllocator
-    from orca_jax.scheduler import Scheduler
+    from orca_jax.core.kv_cache import PageAllocator
+    from orca_jax.core.scheduler import Scheduler
 
     e, m = cost.engine, cost.model
     model = ModelConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
@@ -161,8 +161,8 @@ def simulate_run(trace: Trace, cost: CostModel, policy: str, num_pages: int | No
     the cost model's pipeline stages, Orca's; 1: each batch crosses every stage before the
     next is scheduled). `check_step(scheduler, in_flight)`, if given, is called after every
     dispatch with the steps in flight (tests)."""
-    from orca_jax import SamplingParams
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.sequence import Sequence
 
     stages = cost.num_stages
     depth = stages if batches_in_flight is None else batches_in_flight

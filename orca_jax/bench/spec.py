@@ -146,7 +146,7 @@ def passage(i: int, num_sentences: int) -> str:
 
 
 def copy_prompts(tokenizer, num: int, s: SpecSettings) -> list[list[int]]:
-    from orca_jax.chat_template import apply_chat_template
+    from orca_jax.entrypoints.chat_template import apply_chat_template
 
     return [apply_chat_template(tokenizer, [{"role": "user", "content": COPY_INSTRUCTION + passage(i, s.copy_sentences)}])
             for i in range(num)]
@@ -239,7 +239,7 @@ class RowCounter:
 
 
 def build_engine(s: SpecSettings, spec: dict | None, model_len: int):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     num_seqs = max(s.batch_sizes)
     return LLMEngine(model=s.model, dtype=s.dtype, max_num_seqs=num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -250,7 +250,7 @@ def build_engine(s: SpecSettings, spec: dict | None, model_len: int):
 def warm_up(engine, requests: dict[str, list[tuple[list[int], int]]]) -> None:
     """A short request of each workload through every host path (proposer, verification,
     detokenizer); the engine compiled its step programs when it was built."""
-    from orca_jax import SamplingParams
+    from orca_jax.core.sampling_params import SamplingParams
 
     for name, reqs in requests.items():
         engine.add_request(f"warmup-{name}", reqs[0][0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -276,9 +276,9 @@ def timed_run(engine, requests: list[tuple[list[int], int]], concurrency: int, t
     """`requests` with at most `concurrency` in flight (the next joins as soon as one finishes);
     times, counters, step timeline sums, and each request's token ids (key "tokens", popped by
     the caller after the comparison)."""
-    from orca_jax import SamplingParams
-    from orca_jax.compile_guard import compile_count
-    from orca_jax.step_timing import derive
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.worker.compile_guard import compile_count
+    from orca_jax.engine.step_timing import derive
 
     n = len(requests)
     fresh_speculation(engine)
@@ -587,6 +587,6 @@ def _tokenizer(s: SpecSettings):
     """The model's tokenizer, before any engine (it sizes their context); the weights of a
     converted model stay on disk until read."""
     from orca_jax.cache_dirs import default_model_cache_dir
-    from orca_jax.models.loader import load_model
+    from orca_jax.loading.loader import load_model
 
     return load_model(s.model, dtype=s.dtype, cache_dir=default_model_cache_dir()).tokenizer

@@ -1,5 +1,5 @@
 """How the batches in flight overlap on a pipeline, from the stage clock's timestamps
-(`orca_jax.pipeline.StageTimeline`: per batch and stage, when it was enqueued and when its
+(`orca_jax.worker.pipeline.StageTimeline`: per batch and stage, when it was enqueued and when its
 output was ready).
 
 A stage runs its batches in order, and a batch's stage s cannot start before stage s - 1 has

@@ -61,7 +61,7 @@ def generate_record(engine, output) -> dict[str, Any]:
     """What one `generate` run says about its start: wall-clock timestamps (comparable with the
     parent's) of the engine's start and readiness, the request's arrival, its first token and
     now; the engine's phase timings; the programs built and how many came from the cache."""
-    from orca_jax.compile_guard import compile_counts
+    from orca_jax.worker.compile_guard import compile_counts
 
     to_wall = time.time() - time.monotonic()
     counts = compile_counts()

@@ -217,7 +217,7 @@ class FillTimer:
         self.seconds: list[float] = []
 
     def __enter__(self):
-        from orca_jax import guided_decoding
+        from orca_jax.structured import guided_decoding
 
         real = guided_decoding.fill_token_bitmask
 
@@ -232,7 +232,7 @@ class FillTimer:
         return self
 
     def __exit__(self, *exc):
-        from orca_jax import guided_decoding
+        from orca_jax.structured import guided_decoding
 
         guided_decoding.fill_token_bitmask = self._real
 
@@ -244,15 +244,15 @@ def random_prompts(num: int, length: int, vocab_size: int, exclude_ids, seed: in
 
 
 def request_params(constrained: bool, s: StructuredSettings):
-    from orca_jax import SamplingParams
-    from orca_jax.structured_outputs import StructuredOutputsParams
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=records_schema(s.min_items)) if constrained else None
     return SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0.0, structured_outputs=constraint)
 
 
 def build_engine(s: StructuredSettings, num_seqs: int, async_scheduling: bool = True):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     return LLMEngine(model=s.model, dtype=s.dtype, max_num_seqs=num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                      page_size=s.page_size, max_model_len=s.max_model_len, seed=s.seed, enable_prefix_caching=False,
@@ -273,8 +273,8 @@ def warm_up(engine, prompt: list[int], s: StructuredSettings) -> None:
 def timed_run(engine, prompts: list[list[int]], num_constrained: int, s: StructuredSettings, tag: str) -> dict[str, Any]:
     """All prompts at t=0, the first `num_constrained` under the schema; throughput, decode
     step times and their breakdown, mask fill times, and the outputs checked."""
-    from orca_jax.compile_guard import compile_count
-    from orca_jax.step_timing import derive
+    from orca_jax.worker.compile_guard import compile_count
+    from orca_jax.engine.step_timing import derive
 
     num_seqs = len(prompts)
     compiles, steps = compile_count(), engine.num_steps
@@ -354,7 +354,7 @@ def check_outputs(finished: dict[int, Any], num_seqs: int, num_constrained: int,
 def grammar_compile_times(engine, s: StructuredSettings) -> dict[str, Any]:
     """The one-off tokenizer wrap, then per schema the medians of `compile_repeats` cold
     validates and compiles (each a new cache key: a title that llguidance ignores)."""
-    from orca_jax.structured_outputs import StructuredOutputsParams
+    from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
     started = time.perf_counter()
     engine.grammars.llg_tokenizer()
@@ -382,8 +382,8 @@ def masking_alone(num_seqs: int, vocab_size: int, repeats: int = 20) -> dict[str
     import jax
     import jax.numpy as jnp
 
-    from orca_jax.guided_decoding import bitmask_words
-    from orca_jax.sampling import apply_token_bitmask
+    from orca_jax.structured.guided_decoding import bitmask_words
+    from orca_jax.worker.sampling import apply_token_bitmask
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((num_seqs, vocab_size), np.float32))

@@ -1,6 +1,6 @@
 """AttentionMetadata: the one form in which a step's ragged structure reaches attention.
 
-Built once per step on the host (`orca_jax.batch.build_batch`, numpy), sent to the device as
+Built once per step on the host (`orca_jax.worker.batch.build_batch`, numpy), sent to the device as
 part of the batch, read by RoPE (positions), by `write_kv` (slot_mapping) and by every
 `ragged_paged_attention` implementation (the rest), and shifted onto each layer's pages by
 `for_layer`. A registered pytree dataclass, so it passes through `jit`, `nn.scan` and

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel, quantization
+from orca_jax.distributed import parallel
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gpt2, llama, moe_families
@@ -68,7 +69,7 @@ def abstract_variables(config: ModelConfig) -> dict[str, Any]:
     """The variables the family's model declares for `config`, as its init makes them but
     without computing anything: shapes and dtypes, each parameter boxed with its logical axes
     (`nn.LogicallyPartitioned`; `nn.unbox` gives the plain tree the loaders produce). The
-    sharding rules (orca_jax/parallel.py) and the checkpoint's shape check read it; traced once
+    sharding rules (orca_jax/distributed/parallel.py) and the checkpoint's shape check read it; traced once
     per config and shared, so never modified. The call's inputs are small: no parameter's
     shape depends on them."""
     T, S, num_pages, page_size, max_pages = 8, 2, 4, 8, 4

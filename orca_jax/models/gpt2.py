@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import quantization
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors

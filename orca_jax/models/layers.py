@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import kernels, parallel, quantization
+from orca_jax import kernels
+from orca_jax.distributed import parallel
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 
@@ -127,10 +129,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 class Einsum(nn.Module):
     """A weight with named axes, applied by an einsum (`"TD,DNH->TNH"`); optional bias over
     the output axes. `axes`: the logical name of each kernel axis (`("embed", "heads",
-    "head_dim")`), which the sharding rules map to the mesh (orca_jax/parallel.py); the bias
+    "head_dim")`), which the sharding rules map to the mesh (orca_jax/distributed/parallel.py); the bias
     takes the names of the kernel axes it spans. The kernel's contraction axes come first.
 
-    `quantization` (a format of orca_jax.quantization): the kernel is stored quantized, with
+    `quantization` (a format of orca_jax.kernels.quantization): the kernel is stored quantized, with
     its `qscale` (and `qzero`) beside it, their output axes named as the kernel's, so they
     shard with it."""
 
@@ -291,7 +293,7 @@ class PagedAttention(nn.Module):
     # A device mesh (tensor parallelism): the cache write and attention then run per shard,
     # on each device's own heads. None: one device, the kernels called directly.
     mesh: Any = None
-    quantization: str | None = None  # of the four projections (orca_jax.quantization)
+    quantization: str | None = None  # of the four projections (orca_jax.kernels.quantization)
 
     @nn.compact
     def __call__(self, x, kv_pages, metadata: AttentionMetadata, rope_inv_freq: np.ndarray | None):

@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax import parallel, quantization
+from orca_jax.distributed import parallel
+from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
@@ -33,7 +34,7 @@ class DecoderBlock(nn.Module):
     page_size: int
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
-    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
+    mesh: Any = None  # tensor parallelism (see orca_jax.distributed.parallel); None: one device
 
     @nn.compact
     def __call__(self, carry, layer, metadata: AttentionMetadata):
@@ -81,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
-    mesh: Any = None  # tensor parallelism (see orca_jax.parallel); None: one device
+    mesh: Any = None  # tensor parallelism (see orca_jax.distributed.parallel); None: one device
     block: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     @nn.nowrap
@@ -104,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
         Returns (logits f32[S, V], kv_cache).
 
-        A pipeline stage (orca_jax.pipeline) runs the layers its cache and weights hold (L is
+        A pipeline stage (orca_jax.worker.pipeline) runs the layers its cache and weights hold (L is
         its share) and only its end of the model: a stage after the first takes the previous
         stage's activations `hidden` [T, D] instead of embedding the tokens, and a stage before
         the last passes `logits_indices=None` and gets (activations [T, D], kv_cache) back. Its

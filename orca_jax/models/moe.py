@@ -12,7 +12,7 @@ after is [T*k, ...]. The grouped matmuls are `orca_jax.kernels.grouped_mlp` (`ra
 and TPU, a blocked loop on CPU). Padding tokens of the bucket (past `cu_q_lens[-1]`) join no
 group, so experts spend no work on them.
 
-Parallelism over the "model" mesh axis (orca_jax/parallel.py), on the same devices as the
+Parallelism over the "model" mesh axis (orca_jax/distributed/parallel.py), on the same devices as the
 attention's heads. Tensor parallelism (the default) splits every expert's intermediate axis,
 as the dense MLP's; expert parallelism (`ModelConfig.expert_parallel`) gives each device
 `E / devices` whole experts. Either way the activations reaching the layer are whole on every
@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from orca_jax import parallel
+from orca_jax.distributed import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.kernels import grouped_mlp
 from orca_jax.models.layers import GatedMLP, activation

@@ -14,7 +14,7 @@ slot and cached count. Proposing for a set of sequences is
 
 all dispatched back to back and read once at the end. Drafts are greedy (the draft model's
 argmax), so the proposal is a point mass and the target's acceptance rule
-(orca_jax.spec_decode.rejection) keeps the target's distribution exactly.
+(orca_jax.worker.rejection) keeps the target's distribution exactly.
 
 After a verification the shadow's cache is valid up to the longest prefix of the drafts it fed
 that the target kept; the next proposal compares them and computes from there. Shadows of
@@ -30,12 +30,13 @@ import logging
 import jax
 
 from orca_jax.config import EngineConfig
-from orca_jax.kv_cache import PageAllocator
-from orca_jax.models.loader import load_model
-from orca_jax.runner import ModelRunner, WarmupReport
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import ScheduledBatch, SlotAllocator
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.kv_cache import PageAllocator
+from orca_jax.loading.loader import load_model
+from orca_jax.worker.runner import ModelRunner
+from orca_jax.worker.runner_base import WarmupReport
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import ScheduledBatch, SlotAllocator
+from orca_jax.core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from orca_jax.sequence import Sequence, SequenceStatus
-from orca_jax.spec_decode.config import SpeculativeConfig
+from orca_jax.core.sequence import Sequence, SequenceStatus
+from orca_jax.config.speculative import SpeculativeConfig
 from orca_jax.spec_decode.ngram import NgramProposer
 
 MAX_BACKOFF_STEPS = 64

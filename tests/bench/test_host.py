@@ -13,7 +13,7 @@ from orca_jax import cli
 from orca_jax.bench.driver import BenchmarkError
 from orca_jax.bench.host import (HostSettings, available_modes, cell_step_limit, format_report, mix_params,
                                  pool_pages, require_timeline)
-from orca_jax.step_timing import HOST_PARTS
+from orca_jax.engine.step_timing import HOST_PARTS
 
 TINY_RUN = ["--models", "tiny", "--num-seqs", "4", "--max-model-len", "64,128", "--mixes", "realistic",
             "--steps", "3", "--warm-steps", "2", "--prompt-len", "8", "--long-steps", "0",

@@ -10,7 +10,7 @@ import pytest
 
 from orca_jax.bench.random_model import (HOST_MODELS, default_model_tokenizer, host_model_config,
                                          write_host_model, write_random_checkpoint)
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 
 @pytest.fixture(scope="module")

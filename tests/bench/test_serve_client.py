@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from orca_jax import cli
-from orca_jax.server import ServerSettings, build_app
+from orca_jax.entrypoints.server import ServerSettings, build_app
 
 
 @pytest.fixture(scope="module")

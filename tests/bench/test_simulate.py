@@ -33,7 +33,7 @@ def test_every_request_runs_to_its_length_and_pages_come_back(gpt3):
 def test_padding_is_charged_as_computed_tokens():
     """Padded prefill: every row to the longest prompt, causal pairs included; padded decode
     rows (finished members): a token, its logits and the step's longest context each."""
-    from orca_jax.scheduler import ScheduledBatch
+    from orca_jax.core.scheduler import ScheduledBatch
 
     def batch(rows, pad):
         b = ScheduledBatch()

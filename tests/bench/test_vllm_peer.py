@@ -224,8 +224,8 @@ def test_an_hf_directory_goes_to_vllm_as_is(tiny_llama_dir):
 
 
 def _write_llama_gguf():
-    """tests/models/test_loader.py's GGUF writer (llama.cpp's layout), loaded from its file."""
-    path = Path(__file__).parents[1] / "models" / "test_loader.py"
+    """tests/loading/test_loader.py's GGUF writer (llama.cpp's layout), loaded from its file."""
+    path = Path(__file__).parents[1] / "loading" / "test_loader.py"
     spec = importlib.util.spec_from_file_location("_test_loader_gguf_writer", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from orca_jax.batch_state import create_device_state, create_token_counts, expand
+from orca_jax.worker.batch_state import create_device_state, create_token_counts, expand
 from orca_jax.bench.random_model import write_random_checkpoint
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kernels import resolve_impl

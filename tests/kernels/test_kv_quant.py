@@ -167,7 +167,7 @@ def test_row_widths_and_pool_capacity():
     """head_dim + 2 bytes per row: 128 / 66 = 1.94x bfloat16's tokens at head_dim 64, 256 / 130
     = 1.97x at 128; float caches keep head_dim."""
     from orca_jax.config import ModelConfig
-    from orca_jax.kv_cache import create_kv_cache, kv_bytes_per_page
+    from orca_jax.core.kv_cache import create_kv_cache, kv_bytes_per_page
 
     assert kv_quant.KV_CACHE_DTYPES == {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
     for dtype in kv_quant.KV_CACHE_DTYPES.values():

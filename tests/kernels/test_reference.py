@@ -81,7 +81,7 @@ def test_sliding_window_edges_at_kv_block_boundaries(window):
 
 
 def test_padding_rows_as_build_batch_writes_them():
-    """Padding as build_batch writes it (tests/test_batch.py checks that the case builder lays
+    """Padding as build_batch writes it (tests/worker/test_batch.py checks that the case builder lays
     out metadata as build_batch does): rows past num_seqs have kv_len 0, page 0 only, and
     cu_q_lens repeats the total; page-table tails of real rows point at page 0 (NaN)."""
     case = build_batch_padding_case()

@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from orca_jax import quantization
-from orca_jax.models import config_from_hf, gguf_arch
-from orca_jax.models.gguf_tokenizer import build_tokenizer
+from orca_jax.kernels import quantization
+from orca_jax.models import config_from_hf
+from orca_jax.loading import gguf_arch
+from orca_jax.loading.gguf_tokenizer import build_tokenizer
 from orca_jax.models.llama import LlamaForCausalLM
-from orca_jax.models.loader import SUPPORTED_GGUF_ARCHITECTURES, gguf_config, hf_to_params, load_model
+from orca_jax.loading.loader import SUPPORTED_GGUF_ARCHITECTURES, gguf_config, hf_to_params, load_model
 
 ATOL = 1e-4  # F32 logits; the Q8_0 case is held to the same bound against its dequantized weights
 MISTRAL_WINDOW = 12  # below most sequence lengths of the parity run, not a multiple of the page size
@@ -282,12 +283,12 @@ def model_logits_at_every_position(loaded, prompts: list[list[int]]) -> list[np.
     attention), with logits at every position: one [len(prompt), vocab] array per prompt."""
     import jax.numpy as jnp
 
-    from orca_jax.batch import build_batch
+    from orca_jax.worker.batch import build_batch
     from orca_jax.config import EngineConfig
-    from orca_jax.kv_cache import PageAllocator
+    from orca_jax.core.kv_cache import PageAllocator
     from orca_jax.models import architecture
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.sequence import Sequence
 
     c, page_size, num_pages = loaded.config, 8, 16
     engine_config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=64, page_size=page_size,
@@ -349,7 +350,7 @@ def block_file(hf_dirs, qwen_tokenizer, tmp_path_factory):
 def as_gguf_quantization_holds_them(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The file's weights as quantization="gguf" keeps them: Q8_0 and Q4_1 blocks exactly; a Q4_0
     block off a 16-level grid re-fitted as int8 (scale amax / 127, within half a step of the
-    file's: tests/test_quantization.py), which numpy's dequantization gives back here."""
+    file's: tests/kernels/test_quantization.py), which numpy's dequantization gives back here."""
     held = {}
     for name, w in stored.items():
         if tensor_type(BLOCK_TYPES, name, w) == "Q4_0":  # HF [out, in]: blocks along in

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_jax.models.loader import gguf_config, gguf_to_hf_name, hf_to_params, load_model, read_safetensors
+from orca_jax.loading.loader import gguf_config, gguf_to_hf_name, hf_to_params, load_model, read_safetensors
 
 
 def _sibling(name: str):

@@ -22,7 +22,7 @@ import torch
 
 from orca_jax import LLM
 from orca_jax.models.layers import model_inv_freq, rope_inv_freq
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 ATOL = 1e-4
 VOCAB = 512  # conftest.TINY_VOCAB
@@ -178,12 +178,12 @@ def test_attention_soft_cap_reaches_the_kernel():
     import jax
     import jax.numpy as jnp
 
-    from orca_jax.batch import build_batch
+    from orca_jax.worker.batch import build_batch
     from orca_jax.config import EngineConfig, ModelConfig
-    from orca_jax.kv_cache import PageAllocator
+    from orca_jax.core.kv_cache import PageAllocator
     from orca_jax.models import architecture
-    from orca_jax.sampling_params import SamplingParams
-    from orca_jax.sequence import Sequence
+    from orca_jax.core.sampling_params import SamplingParams
+    from orca_jax.core.sequence import Sequence
 
     base = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)

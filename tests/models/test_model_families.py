@@ -24,7 +24,7 @@ from orca_jax.models import ARCHITECTURES, SUPPORTED_MODEL_TYPES, architecture, 
 from orca_jax.models.gpt2 import GPT2ForCausalLM
 from orca_jax.models.llama import LlamaForCausalLM
 from orca_jax.models.moe_families import MoEForCausalLM
-from orca_jax.models.loader import load_model
+from orca_jax.loading.loader import load_model
 
 ATOL = 1e-4
 MISTRAL_WINDOW = 12  # below most sequence lengths here, and not a multiple of the page size (8)
@@ -158,7 +158,7 @@ def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
 
     from safetensors.numpy import save_file
 
-    from orca_jax.models.loader import read_safetensors
+    from orca_jax.loading.loader import read_safetensors
 
     directory = _model_dir(tiny_hf_model_factory, "gpt2")
     tensors = {k.removeprefix("transformer."): v for k, v in read_safetensors(directory).items()}

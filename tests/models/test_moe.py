@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.config import ModelConfig
 from orca_jax.models import config_from_hf, quantize_params
 from orca_jax.models.moe import SparseMoE, combine, group_by_expert, route
@@ -186,7 +186,7 @@ def test_weight_quantization_is_refused_clearly():
 
 # ---- the engine -----------------------------------------------------------------------------
 def test_no_compiles_after_warmup(tiny_hf_model_factory):
-    from orca_jax.engine import LLMEngine
+    from orca_jax.engine.engine import LLMEngine
 
     directory = tiny_hf_model_factory(
         "Qwen3MoeConfig", seed=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import no_compiles
+from orca_jax.worker.compile_guard import no_compiles
 
 # One small pool for every engine (the workloads preempt), and no prefix caching: then the draft
 # runners' step programs are the spec-off engine's, and compile once (the compilation cache).
@@ -111,7 +111,7 @@ def test_a_target_that_took_its_first_draft_without_verifying_still_gets_a_propo
     """The target decoded one token on its own (drafts cut by the budget, or an overlapped
     step), and it was the first draft the shadow had fed: the shadow's cache then covers every
     token, yet its last token is fed again, since its logits give the next draft."""
-    from orca_jax.sequence import Sequence, SequenceStatus
+    from orca_jax.core.sequence import Sequence, SequenceStatus
 
     proposer = engines["self"].speculation.proposer
     target = Sequence(10_000, "direct", 0, [5, 17, 33, 5, 17], greedy(), seed=0)
@@ -140,7 +140,7 @@ SEEDED = [
 
 @pytest.mark.parametrize("name", ["self", "other"])
 def test_seeded_outputs_are_identical_to_no_speculation(engines, run, name):
-    """Coupled acceptance (spec_decode/rejection.py): every position draws the plain sampler's
+    """Coupled acceptance (worker/rejection.py): every position draws the plain sampler's
     token with the same seed and output index, so seeded requests give exactly the tokens of
     the engine without speculation, whichever drafts were accepted. With the target as its
     own draft about half are (a rejected draft is a sampled token other than the argmax);

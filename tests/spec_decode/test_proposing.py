@@ -3,9 +3,9 @@ engine's return to overlapped steps when proposing does not pay). Host only."""
 
 from __future__ import annotations
 
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.sequence import Sequence, SequenceStatus
-from orca_jax.spec_decode.config import SpeculativeConfig
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.sequence import Sequence, SequenceStatus
+from orca_jax.config.speculative import SpeculativeConfig
 from orca_jax.spec_decode.proposing import NgramSequenceProposer, Speculation, can_speculate
 
 CONFIG = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1,

@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 from orca_jax import SamplingParams
-from orca_jax.compile_guard import compile_count, no_compiles
+from orca_jax.worker.compile_guard import compile_count, no_compiles
 from orca_jax.spec_decode.proposing import NgramSequenceProposer
-from orca_jax.structured_outputs import StructuredOutputsParams
+from orca_jax.structured.structured_outputs import StructuredOutputsParams
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=64, max_model_len=256)
 FOX = "The quick brown fox jumps over the lazy dog. The quick brown fox"

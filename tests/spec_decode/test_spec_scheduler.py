@@ -1,4 +1,4 @@
-"""Speculative decoding in the scheduler (orca_jax/scheduler.py), host only, no model: which
+"""Speculative decoding in the scheduler (orca_jax/core/scheduler/), host only, no model: which
 drafts a step verifies (`_drafts_to_verify`: the token budget left after every running
 sequence's next token, the length limit, pages only if free, never a preemption), and what
 postprocess makes of a verified row (`num_accepted`: the accepted drafts and the target's token
@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.kv_cache import PADDING_PAGE, PageAllocator
-from orca_jax.sampling_params import SamplingParams
-from orca_jax.scheduler import Scheduler
-from orca_jax.sequence import Sequence, SequenceStatus
+from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
+from orca_jax.core.sampling_params import SamplingParams
+from orca_jax.core.scheduler import Scheduler
+from orca_jax.core.sequence import Sequence, SequenceStatus
 
 MODEL = ModelConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

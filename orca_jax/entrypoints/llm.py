@@ -1,0 +1,144 @@
+"""LLM: the offline API (vLLM's `LLM.generate` / `LLM.chat`) on top of LLMEngine.
+
+`generate` returns each request's final output and nothing else, so it asks the engine for
+"final_only" outputs (as vLLM's LLM does): the engine builds one output per request, at its
+finish, instead of one per request per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from orca_jax.entrypoints.chat_template import apply_chat_template
+from orca_jax.config import EngineConfig
+from orca_jax.engine.engine import LLMEngine
+from orca_jax.engine.outputs import RequestOutput
+from orca_jax.core.sampling_params import SamplingParams
+
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids":
+# ids} (TokensPrompt), either with an optional "cache_salt" (orca_jax/engine/request.py: split_prompt).
+Prompt = str | list[int] | dict
+Conversation = list[dict]
+
+__all__ = ["LLM", "apply_chat_template"]
+
+
+class LLM:
+    """Offline batched generation.
+
+    >>> llm = LLM()                       # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings, token-id lists, or prompt dicts: a dict with a
+        "cache_salt" shares cached prefix pages only with prompts of the same salt); outputs in
+        prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _final_only(_as_params_list(sampling_params, len(prompts)))
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:  # leave the engine clean for the next call
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (with the OpenAI-style `tools`
+        it may call, if any), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt, tools)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    finished[output.request_id] = output
+                    # Tokens are counted as their requests finish (vLLM's bar does the same):
+                    # the engine reports nothing per step for final_only requests.
+                    generated += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
+                                        refresh=False)
+        bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The params with output_kind "final_only": one copy per distinct SamplingParams object
+    (the caller's own are not changed). Whatever kind the caller chose, generate returns the
+    final output, which is the same in every kind but "delta" (there it would hold only the
+    last step's part)."""
+    copies: dict[int, SamplingParams] = {}
+    result = []
+    for p in params:
+        if isinstance(p, SamplingParams) and p.output_kind != "final_only":
+            if id(p) not in copies:
+                copies[id(p)] = dataclasses.replace(p, output_kind="final_only")
+            p = copies[id(p)]
+        result.append(p)  # (anything else is the engine's to refuse)
+    return result

@@ -1,0 +1,102 @@
+"""dtype="auto": the dtype each backend and checkpoint gets, what a model's files say about
+their dtype, and the engine resolving it before the model loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from orca_jax.loading import dtype_policy
+from orca_jax.loading.dtype_policy import (CPU_AUTO_DTYPE, checkpoint_dtype, cpu_bfloat16_capable, resolve_dtype,
+                                   resolve_model_dtype)
+
+
+@pytest.mark.parametrize("backend,checkpoint,expected", [
+    ("gpu", "bfloat16", "bfloat16"), ("gpu", "float16", "bfloat16"), ("gpu", "float32", "float32"),
+    ("gpu", None, "bfloat16"), ("tpu", "bfloat16", "bfloat16"), ("tpu", "float32", "float32"),
+    ("cpu", "bfloat16", CPU_AUTO_DTYPE), ("cpu", "float32", CPU_AUTO_DTYPE), ("cpu", None, CPU_AUTO_DTYPE),
+])
+def test_auto_takes_the_checkpoint_dtype_on_accelerators(backend, checkpoint, expected):
+    assert resolve_dtype("auto", backend, checkpoint) == expected
+
+
+@pytest.mark.parametrize("requested", ["float32", "bfloat16"])
+def test_an_explicit_dtype_is_kept_everywhere(requested):
+    for backend in ("cpu", "gpu", "tpu"):
+        assert resolve_dtype(requested, backend, "float16") == requested
+
+
+@pytest.mark.parametrize("meta,expected", [
+    ({"torch_dtype": "bfloat16"}, "bfloat16"), ({"dtype": "float16"}, "float16"),
+    ({"torch_dtype": "float32"}, "float32"), ({}, None), ({"torch_dtype": "int8"}, None),
+])
+def test_hf_directory_dtype_comes_from_config_json(tmp_path, meta, expected):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **meta}))
+    assert checkpoint_dtype(tmp_path) == expected
+
+
+def test_a_corrupt_config_json_says_nothing(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    assert checkpoint_dtype(tmp_path) is None
+
+
+def _write_gguf(path, matrix_type):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    matrix = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    if matrix_type == "F16":
+        writer.add_tensor("token_embd.weight", matrix.astype(np.float16))
+    elif matrix_type == "Q8_0":
+        quantized = gguf.quants.quantize(matrix, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor("token_embd.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        writer.add_tensor("token_embd.weight", matrix)
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))  # 1-D: F32 in every file
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("matrix_type,expected", [("F32", "float32"), ("F16", "float16"), ("Q8_0", "bfloat16")])
+def test_gguf_dtype_comes_from_its_weight_matrices(tmp_path, matrix_type, expected):
+    path = _write_gguf(tmp_path / "model.gguf", matrix_type)
+    assert checkpoint_dtype(path) == expected
+    assert checkpoint_dtype(tmp_path) == expected  # a directory holding only the .gguf
+
+
+def test_the_embedded_default_model_is_half_precision():
+    from orca_jax.loading.loader import default_model_path
+
+    assert checkpoint_dtype(default_model_path()) == "bfloat16"  # Q4_1 weights
+
+
+def test_model_files_are_read_only_where_the_answer_depends_on_them(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert resolve_model_dtype("auto", "gpu", tmp_path) == "float32"
+
+    def unreadable(path):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(dtype_policy, "checkpoint_dtype", unreadable)
+    assert resolve_model_dtype("auto", "cpu", tmp_path) == CPU_AUTO_DTYPE
+    assert resolve_model_dtype("bfloat16", "gpu", tmp_path) == "bfloat16"
+    with pytest.raises(AssertionError, match="was read"):
+        resolve_model_dtype("auto", "tpu", tmp_path)
+
+
+def test_bfloat16_capability_reads_the_cpu_flags():
+    assert cpu_bfloat16_capable("flags : fpu sse avx512f avx512_bf16 amx_tile")
+    assert cpu_bfloat16_capable("flags : fpu avx2 amx_bf16")
+    assert not cpu_bfloat16_capable("flags : fpu sse avx2 avx512f avx512bw")
+
+
+def test_engine_resolves_auto_before_loading(tiny_engine_factory):
+    engine = tiny_engine_factory(dtype="auto")
+    assert engine.config.dtype == CPU_AUTO_DTYPE  # the tests run on the CPU backend
+    assert engine.runner.dtype == np.dtype(CPU_AUTO_DTYPE)
+    assert engine.runner.kv_dtype == np.dtype("float32")
