@@ -49,23 +49,19 @@ import argparse
 import itertools
 import dataclasses
 import functools
-import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.bench.arguments import choice_list, nonempty_sizes, numbers
+
 PARTS = ("decode", "prefill", "sampler")
-# CPU features that decide float32 vs bfloat16 speed on XLA:CPU.
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-             "amx_int8")
 # Sampler mixes: which rows take the settings ("all" or "one", the rest greedy) and the settings.
 SAMPLER_MIXES = {
     "greedy": ("all", {}),
@@ -81,36 +77,6 @@ SAMPLER_MIXES = {
 # pool (1.5e9 values at 64 x 2,048 tokens) takes over a minute on 2 cores, and the values
 # only have to be finite and varied, not unique.
 RANDOM_KV_BLOCK_PAGES = 61
-
-
-# ---- the machine --------------------------------------------------------------------------
-def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                      if line.startswith("flags")), []))
-    return {name: name in flags for name in CPU_FLAGS}
-
-
-def orca_jax_source() -> dict:
-    """Which orca_jax ran (a PYTHONPATH worktree or the editable install) and at what commit."""
-    import orca_jax
-
-    root = Path(orca_jax.__file__).resolve().parent.parent
-
-    def git(*words):
-        try:
-            return subprocess.run(["git", "-C", str(root), *words], capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit = git("rev-parse", "HEAD")
-    modified = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"path": str(root), "commit": commit, "modified": modified}
 
 
 @dataclass(frozen=True)
@@ -480,41 +446,22 @@ def format_tables(rows: list[dict], bandwidth_gbs: float | None) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated; got {text!r}")
-    return values
-
-
-def _choices(allowed: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        if not values or any(v not in allowed for v in values):
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated); got {text!r}")
-        return list(dict.fromkeys(values))
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     from orca_jax import kernels
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", type=_choices(("float32", "bfloat16")), default=["float32", "bfloat16"])
+    p.add_argument("--dtype", type=choice_list(("float32", "bfloat16")), default=["float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=("same", "auto", "float32", "bfloat16"),
                    help="same: the KV cache in each --dtype; auto: the engine's rule (float32 on CPU)")
     p.add_argument("--attention-impl", default="auto", choices=("auto", *kernels.available_impls()))
-    p.add_argument("--parts", type=_choices(PARTS), default=list(PARTS))
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64])
-    p.add_argument("--contexts", type=_int_list, default=[256, 2048], help="cached tokens per decoding sequence")
-    p.add_argument("--logit-scales", type=lambda t: [float(x) for x in t.split(",")], default=[3.0, 8.0],
+    p.add_argument("--parts", type=choice_list(PARTS), default=list(PARTS))
+    p.add_argument("--batch-sizes", type=nonempty_sizes, default=[1, 16, 64])
+    p.add_argument("--contexts", type=nonempty_sizes, default=[256, 2048], help="cached tokens per decoding sequence")
+    p.add_argument("--logit-scales", type=numbers, default=(3.0, 8.0),
                    help="standard deviations of the sampler's random logits (3: flat, 8: peaked)")
-    p.add_argument("--prefill-tokens", type=_int_list, default=[128, 512])
-    p.add_argument("--sampler-rows", type=_int_list, default=[16, 64])
+    p.add_argument("--prefill-tokens", type=nonempty_sizes, default=[128, 512])
+    p.add_argument("--sampler-rows", type=nonempty_sizes, default=[16, 64])
     p.add_argument("--vocab-size", type=int, default=49152, help="sampler logits width")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-seconds", type=float, default=15.0,
@@ -531,22 +478,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from orca_jax.bench.environment import machine_info, now_utc
+    from orca_jax.bench.environment import record_header
+    from orca_jax.bench.harness import ReportFile
     from orca_jax.bench.roofline import measure_matmul_rate
 
     args = parse_args(argv)
     words = sys.argv[1:] if argv is None else argv
-    report = {"benchmark": "cpu_step_bench", "date": now_utc(),
-              "command": shlex.join(["python", "benchmarks/cpu_step_bench.py", *words]),
-              "settings": vars(args), "orca_jax": orca_jax_source(), "machine": machine_info(),
-              "cpu_flags": cpu_flags(), "rows": []}
+    command = shlex.join(["python", "benchmarks/cpu_step_bench.py", *words])
+    out = ReportFile(args.json, {**record_header("cpu_step_bench", command), "settings": vars(args), "rows": []})
+    report = out.record
 
     def on_row(row=None):
-        if row is not None:
-            report["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        out.add_row(row) if row is not None else out.save()
 
     bandwidth = None
     if "decode" in args.parts:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -27,6 +28,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from orca_jax.bench.arguments import nonempty_sizes
+from orca_jax.bench.environment import record_header
+from orca_jax.bench.harness import ReportFile
 from orca_jax.bench.random_model import write_random_checkpoint
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -105,21 +109,24 @@ def check_serving(workdir: Path, batch_sizes: list[int], context: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_engine_check.json")
-    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--batch-sizes", type=nonempty_sizes, default=(1, 16, 64, 256))
     parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args(argv)
     if not any(d.platform == "gpu" for d in jax.devices()):
         print(f"gpu_engine_check: no GPU visible to JAX (devices: {jax.devices()}); this check needs one",
               file=sys.stderr)
         return 2
-    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
-              "device": str(jax.devices("gpu")[0].device_kind)}
+    command = shlex.join(["python", "benchmarks/gpu_engine_check.py", *(sys.argv[1:] if argv is None else argv)])
+    out = ReportFile(args.out, {**record_header("gpu_engine_check", command),
+                                "device": str(jax.devices("gpu")[0].device_kind)})
+    report = out.record
     with tempfile.TemporaryDirectory() as tmp:
         report["parity"] = check_parity(Path(tmp))
         print("parity:", report["parity"], flush=True)
-        report["serving"] = check_serving(Path(tmp), [int(b) for b in args.batch_sizes.split(",")], args.context)
+        out.save()
+        report["serving"] = check_serving(Path(tmp), list(args.batch_sizes), args.context)
         print("serving:", json.dumps(report["serving"], indent=1), flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    out.save()
     return 0 if report["parity"]["ok"] else 1
 
 

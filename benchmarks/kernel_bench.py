@@ -365,22 +365,15 @@ def time_cpu_case(name, seqs, dtype, read_gbs, repeats) -> dict:
 
 
 def run_cpu(args) -> int:
-    import os
+
+    from orca_jax.bench.environment import load_average, record_header
+    from orca_jax.bench.harness import ReportFile
 
     dtype = jnp.dtype(args.dtype)
     started = time.perf_counter()
-    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-              "cpu_count": os.cpu_count(), "heads": list(CPU_HEADS), "page_size": PAGE_SIZE, "dtype": dtype.name,
-              "command": args.command}
-    from orca_jax.bench.environment import machine_info
-    from orca_jax.bench.quant import cpu_flags
-
-    report["machine"] = {**machine_info(), "cpu_flags": cpu_flags()}
-
-    def save() -> None:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+    out = ReportFile(args.json, {**record_header("kernel_bench_cpu", args.command), "backend": jax.default_backend(),
+                                 "heads": list(CPU_HEADS), "page_size": PAGE_SIZE, "dtype": dtype.name})
+    report, save = out.record, out.save
 
     report["correctness_max_abs_err"] = check_cpu_correctness(dtype)
     print("correctness vs float64 oracle (max abs err):", json.dumps(report["correctness_max_abs_err"]), flush=True)
@@ -401,7 +394,7 @@ def run_cpu(args) -> int:
         report["targets"] = {"decode_ctx2048_min_share_of_read": min(r["cpu_share_of_read"] for r in long_decodes)}
         print("target (>= 0.60 of read bandwidth at context 2048):", json.dumps(report["targets"]))
     report["wall_s"] = time.perf_counter() - started
-    report["load_average_end"] = list(os.getloadavg())
+    report["load_average_end"] = load_average()
     save()
     return 0
 
@@ -431,15 +424,16 @@ def main(argv=None) -> int:
     if args.cpu:
         return run_cpu(args)
     require_gpu()
+    from orca_jax.bench.environment import record_header
+    from orca_jax.bench.harness import ReportFile
+
     started = time.perf_counter()
-
-    def save() -> None:  # after every stage, so a run stopped by a time limit keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
-
-    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "heads": [NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM], "page_size": PAGE_SIZE, "dtype": "bfloat16"}
+    # Saved after every stage, so a run stopped by the GPU session's time limit keeps what it measured.
+    out = ReportFile(args.json, {**record_header("kernel_bench", args.command),
+                                 "device": jax.devices()[0].device_kind,
+                                 "heads": [NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM], "page_size": PAGE_SIZE,
+                                 "dtype": "bfloat16"})
+    report, save = out.record, out.save
     report["correctness_max_abs_err"] = check_correctness()
     print("correctness vs float64 oracle (max abs err):", json.dumps(report["correctness_max_abs_err"], indent=1))
     save()

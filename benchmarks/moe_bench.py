@@ -55,17 +55,16 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
-import os
 import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from orca_jax.bench.arguments import choice_list, nonempty_sizes
 
 PARTS = ("matmul", "step")
 PROJECTIONS = ("up", "down")
@@ -102,24 +101,6 @@ MOE_MODEL = dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=1024, num_
                  num_kv_heads=4, head_dim=64, qk_norm=True, intermediate_size=0, num_experts=64,
                  num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, rope_theta=1000000.0)
-
-
-# ---- the machine --------------------------------------------------------------------------
-def _cpu_step_bench():
-    """benchmarks/cpu_step_bench.py (by path: this script runs from any directory), whose
-    records of the machine and the code (and argument parsers) this script shares."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_orca_jax_cpu_step_bench",
-                                                  Path(__file__).with_name("cpu_step_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-_machine = _cpu_step_bench()
-CPU_FLAGS, cpu_flags, orca_jax_source = _machine.CPU_FLAGS, _machine.cpu_flags, _machine.orca_jax_source
 
 
 def jax_ragged_dot_flags() -> dict:
@@ -537,7 +518,6 @@ def format_tables(rows: list[dict], impls: list[str], models: dict) -> str:
 
 # ---- arguments ----------------------------------------------------------------------------
 # Comma-separated lists of positive integers / of allowed names: cpu_step_bench's parsers.
-_int_list, _choices = _machine._int_list, _machine._choices
 
 
 def _shapes(text: str) -> list[Shape]:
@@ -576,17 +556,17 @@ def _model_overrides(text: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", type=_choices(PARTS), default=list(PARTS))
+    p.add_argument("--parts", type=choice_list(PARTS), default=list(PARTS))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--shapes", type=_shapes, default=_shapes("qwen3_a3b_cpu,mixtral_cpu"),
                    help=f"expert shapes: {', '.join(SHAPES)} or D:F:E:k (comma-separated)")
-    p.add_argument("--projections", type=_choices(PROJECTIONS), default=list(PROJECTIONS),
+    p.add_argument("--projections", type=choice_list(PROJECTIONS), default=list(PROJECTIONS),
                    help="up: [M, D] x [E, D, F] (gate and up); down: [M, F] x [E, F, D]")
-    p.add_argument("--impls", type=_choices(IMPLS), default=list(DEFAULT_IMPLS),
+    p.add_argument("--impls", type=choice_list(IMPLS), default=list(DEFAULT_IMPLS),
                    help=f"dense is the same-FLOPs reference; ragged_dot_triton runs on GPUs only; blocked_pow2 is "
                         f"the blocked loop under the previous block rule (default {','.join(DEFAULT_IMPLS)})")
-    p.add_argument("--decode-tokens", type=_int_list, default=[8, 64], help="matmul part: tokens (rows = tokens x k)")
-    p.add_argument("--prefill-tokens", type=_int_list, default=[256, 512])
+    p.add_argument("--decode-tokens", type=nonempty_sizes, default=[8, 64], help="matmul part: tokens (rows = tokens x k)")
+    p.add_argument("--prefill-tokens", type=nonempty_sizes, default=[256, 512])
     p.add_argument("--ragged-max-flops", type=float, default=1e11,
                    help="CPU: skip ragged_dot (dense-masked lowering) past this many executed FLOPs per call")
     p.add_argument("--ragged-max-bytes", type=float, default=2**30,
@@ -596,8 +576,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-model", type=_model_overrides, default={},
                    help="step part: KEY=INT overrides of the MoE model (hidden_size, num_layers, num_experts, "
                         "num_experts_per_tok, moe_intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)")
-    p.add_argument("--step-decode-tokens", type=_int_list, default=[8, 32], help="step part: decoding sequences")
-    p.add_argument("--step-prefill-tokens", type=_int_list, default=[256, 512], help="step part: prompt tokens")
+    p.add_argument("--step-decode-tokens", type=nonempty_sizes, default=[8, 32], help="step part: decoding sequences")
+    p.add_argument("--step-prefill-tokens", type=nonempty_sizes, default=[256, 512], help="step part: prompt tokens")
     p.add_argument("--decode-context", type=int, default=256, help="cached tokens of each decoding sequence")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
@@ -621,24 +601,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from orca_jax.bench.environment import machine_info, now_utc
+    from orca_jax.bench.environment import load_average, record_header
+    from orca_jax.bench.harness import ReportFile
 
     args = parse_args(argv)
     words = sys.argv[1:] if argv is None else argv
     backend = jax.default_backend()
     settings = {k: ([dataclasses.asdict(s) for s in v] if k == "shapes" else v) for k, v in vars(args).items()}
-    report = {"benchmark": "moe_bench", "date": now_utc(),
-              "command": shlex.join(["python", "benchmarks/moe_bench.py", *words]), "settings": settings,
-              "orca_jax": orca_jax_source(), "machine": machine_info(), "backend": backend,
-              "cpu_flags": cpu_flags(), "jax_ragged_dot_flags": jax_ragged_dot_flags(), "models": {}, "rows": []}
+    command = shlex.join(["python", "benchmarks/moe_bench.py", *words])
+    out = ReportFile(args.json, {**record_header("moe_bench", command), "settings": settings, "backend": backend,
+                                 "jax_ragged_dot_flags": jax_ragged_dot_flags(), "models": {}, "rows": []})
+    report = out.record
     print(f"moe_bench on {backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {args.dtype}", flush=True)
 
     def on_row(row=None):
-        if row is not None:
-            report["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        out.add_row(row) if row is not None else out.save()
 
     bandwidth = None
     if args.bandwidth_mib:
@@ -649,7 +626,7 @@ def main(argv=None) -> int:
         run_matmul(args, backend, bandwidth, on_row)
     if "step" in args.parts:
         run_step(args, backend, on_row, report)
-    report["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    report["load_average_end"] = load_average()
     on_row()
     print(format_tables(report["rows"], args.impls, report["models"]))
     return 0

@@ -15,8 +15,8 @@ JAX starts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -28,7 +28,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from orca_jax import SamplingParams  # noqa: E402
-from orca_jax.bench.environment import machine_info, now_utc  # noqa: E402
+from orca_jax.bench.arguments import names  # noqa: E402
+from orca_jax.bench.environment import record_header  # noqa: E402
+from orca_jax.bench.harness import write_json  # noqa: E402
 from orca_jax.bench.random_model import write_random_checkpoint  # noqa: E402
 from orca_jax.bench.stage_overlap import analyze  # noqa: E402
 from orca_jax.engine.engine import LLMEngine  # noqa: E402
@@ -69,13 +71,13 @@ def run(model: str, pp: int, tp: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", default="2x1,4x1,2x2")
+    parser.add_argument("--layouts", type=names, default=("2x1", "4x1", "2x2"), help="PPxTP, comma-separated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_random_checkpoint(Path(tmp) / "model", MODEL, "float32"))
         records = [run(model, 1, 1)]
-        for layout in args.layouts.split(","):
+        for layout in args.layouts:
             pp, tp = (int(x) for x in layout.split("x"))
             records.append(run(model, pp, tp))
     base = records[0]["decode_tokens_per_s"]
@@ -87,11 +89,9 @@ def main() -> int:
                      + ", ".join(f"stage {s['stage']} busy {100 * s['busy_fraction']:.0f}% "
                                  f"(median {s['median_batch_ms']:.1f} ms/batch)" for s in r["stages"]))
         print(line)
-    result = {"benchmark": "pipeline_overlap", "date": now_utc(), "command": " ".join(["python", *sys.argv]),
-              "machine": machine_info(), "model": MODEL, "engine": ENGINE, "runs": records}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    result = {**record_header("pipeline_overlap", shlex.join(["python", *sys.argv])), "model": MODEL, "engine": ENGINE,
+              "runs": records}
+    write_json(result, args.json)
     return 0
 
 

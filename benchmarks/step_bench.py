@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -46,6 +47,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from orca_jax.bench.arguments import nonempty_sizes
+from orca_jax.bench.environment import record_header
+from orca_jax.bench.harness import ReportFile
 from orca_jax.bench.random_model import write_random_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -188,7 +192,7 @@ def _modes(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--batch-sizes", type=nonempty_sizes, default=(64, 256))
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--modes", type=_modes, default=["sync", "async"], help="sync and/or async (default both)")
     parser.add_argument("--no-reference", action="store_true", help="skip the attention reference engine")
@@ -197,24 +201,24 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     require_gpu()
-    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+    command = shlex.join(["python", "benchmarks/step_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    out = ReportFile(args.json, {**record_header("step_bench", command), "device": jax.devices()[0].device_kind,
               "model": "Llama-3.2-1B shapes, random bfloat16 weights", "modes": args.modes,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "weight_bytes": weight_bytes(LLAMA_3_2_1B), "copy_gbs": copy_bandwidth_gbs(),
-              "switch_interval_s": SWITCH_INTERVAL_S, "rows": []}
+              "switch_interval_s": SWITCH_INTERVAL_S, "rows": []})
+    report = out.record
 
     def write(row=None):
-        if row is not None:
-            report["rows"].append(row)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        report["rows"].append(row) if row is not None else None
+        out.save()
 
     write()
     previous = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            run(Path(tmp), [int(b) for b in args.batch_sizes.split(",")], args.context, report["copy_gbs"],
+            run(Path(tmp), list(args.batch_sizes), args.context, report["copy_gbs"],
                 args.modes, with_reference=not args.no_reference, on_row=write, quantization=args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype)
     finally:

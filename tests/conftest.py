@@ -39,6 +39,26 @@ def isolated_cache_root(tmp_path_factory):
         os.environ[CACHE_DIR_ENV] = before
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, but odd-numbered workers take files from the end of the collection
+    and even-numbered ones from its start. Files of one folder build engines that compile the
+    same programs; two workers running neighbouring files at once both compile them (measured:
+    the two default-model files took 90 s side by side against 86 s one after the other). Walking
+    the tree from opposite ends, one worker runs a folder's files in a row and the second file
+    loads from the shared compilation cache what the first compiled."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FromBothEnds(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if self.workqueue and int(node.gateway.id.lstrip("gw") or 0) % 2 == 1:
+                self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
+            super()._assign_work_unit(node)
+
+    return FromBothEnds(config, log)
+
+
 def _run_directory(tmp_path_factory) -> Path:
     """This run's temporary directory, the same for every pytest-xdist worker of the run (each
     worker's own base directory sits inside it), so the workers share one cache: a program one

@@ -381,7 +381,7 @@ def run_host(s: HostSettings, command: str = "", progress: Callable[[str], None]
     for mode, why in unavailable.items():
         progress(f"mode {mode} skipped: {why}")
     record: dict[str, Any] = {
-        "benchmark": "host", "date": environment.now_utc(), "command": command,
+        **environment.record_header("host", command),
         "settings": dataclasses.asdict(s), "modes": modes, "modes_unavailable": unavailable,
         "output_kind": "delta" if delta_outputs_supported() else None, "models": {}, "cells": [], "offline": None,
     }
@@ -403,7 +403,7 @@ def run_host(s: HostSettings, command: str = "", progress: Callable[[str], None]
         sys.setswitchinterval(previous_interval)
     if s.offline:  # as `bench offline` runs: no timeline, the default switch interval
         record["offline"] = run_offline_modes(s, modes, progress)
-    record["machine"] = environment.machine_info()
+    record["machine"]["load_average_end"] = environment.load_average()
     return record
 
 

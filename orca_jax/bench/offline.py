@@ -158,8 +158,9 @@ def find_vllm(s: OfflineSettings) -> tuple[vllm_peer.VllmPython | None, list[dic
         return None, vllm_peer.skip_records(s.vllm_peers, str(exc))
 
 
-def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
-    """Run every system on one trace and return all numbers (the JSON record)."""
+def run_offline(s: OfflineSettings, command: str = "", progress=print) -> dict[str, Any]:
+    """Run every system on one trace and return all numbers (the JSON record); `progress`
+    gets a line as each system finishes."""
     started = environment.now_utc()
     vllm_python, skipped_peers = find_vllm(s)
     torch_threads = None
@@ -179,6 +180,7 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
     trace = make_trace(s.num_requests, s.scale, s.seed, vocab_size=model_config.vocab_size, exclude_ids=special)
     param_counts = roofline.count_params(llm.engine.runner.params)
     orca = run_orca(llm, trace)
+    progress(f"orca_jax: {orca['wall_s']:.1f} s")
     memory = {"orca_weight_bytes": orca["weight_bytes"], "orca_kv_cache_bytes": orca["kv_cache_bytes"],
               "rss_before_orca_engine_bytes": orca_start["rss_before_engine_bytes"],
               "peak_rss_after_orca_bytes": environment.peak_rss_bytes(),
@@ -209,8 +211,8 @@ def run_offline(s: OfflineSettings, command: str = "") -> dict[str, Any]:
     roof = roofline.roofline(trace, flops, matmul["roofline_flop_per_s"], param_counts)
     add_ratios(systems, roof)
     return {
-        "benchmark": "offline", "date": started, "command": command, "settings": dataclasses.asdict(s),
-        "model": model_source or _default_model_name(), "machine": environment.machine_info(),
+        **environment.record_header("offline", command, started), "settings": dataclasses.asdict(s),
+        "model": model_source or _default_model_name(),
         "torch_num_threads": torch_threads,
         "trace": {**trace.describe(), "input_lens": trace.input_lens, "output_lens": trace.output_lens},
         "model_config": dataclasses.asdict(model_config), "params": param_counts, "matmul": matmul,

@@ -115,7 +115,7 @@ def timed_run(engine, trace: Trace, hold_until_batch_ends: bool = False) -> dict
 
 def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
     """Build every policy's engine, then for each rate run every policy; return the JSON record."""
-    from orca_jax.bench.environment import machine_info, now_utc
+    from orca_jax.bench.environment import now_utc, record_header
 
     started = now_utc()
     engines = build_engines(s)
@@ -138,14 +138,11 @@ def run_sweep(s: SweepSettings, command: str = "", progress=print) -> dict:
             runs.append(record)
             progress(format_run(record))
     return {
-        "benchmark": "orca",
-        "date": started,
-        "command": command,
+        **record_header("orca", command, started),
         "settings": dataclasses.asdict(s),
         "engine": {**engine_settings(s), "token_buckets": list(first.config.token_buckets),
                    "attention_impl": first.attention_impl},
         "model": first.config.model or _default_model_name(),
-        "machine": machine_info(),
         "trace": base.describe(),
         "decode_step_ms_by_batch_size": step_ms,
         "runs": runs,

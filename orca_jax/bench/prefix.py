@@ -213,8 +213,7 @@ def run_prefix(s: PrefixSettings, command: str = "", progress=print) -> dict[str
     for e in engines.values():
         warm_up(e, trace)
     record: dict[str, Any] = {
-        "benchmark": "prefix", "command": command, "time_utc": environment.now_utc(),
-        "machine": environment.machine_info(), "settings": dataclasses.asdict(s),
+        **environment.record_header("prefix", command), "settings": dataclasses.asdict(s),
         "model": s.model or "default (SmolLM2-135M-Instruct, embedded)",
         "engine": {"token_buckets": list(engine.config.token_buckets), "num_pages": engine.allocator.num_pages,
                    "attention_impl": engine.attention_impl, "dtype": engine.config.dtype},

@@ -106,9 +106,6 @@ SERVE_CONFIGS: dict[str, tuple[str, ...]] = {
 SAME_PAGES = "int8+kv_int8@float32_pages"
 DEFAULT_SERVE_CONFIGS = ("float32", "int8", "int8+kv_int8")
 
-_CPU_FLAG = re.compile(r"^(avx.*|amx.*|fma|f16c|vnni.*|avx_vnni.*)$")
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantSettings:
     model: str | None = None
@@ -178,24 +175,6 @@ class QuantSettings:
                     page_size=self.page_size, max_model_len=self.max_model_len,
                     kv_cache_memory_bytes=self.kv_cache_memory_bytes, enable_prefix_caching=False, seed=self.seed,
                     **CONFIGS[label])
-
-
-# ---- where it runs --------------------------------------------------------------------------------
-def cpu_flags() -> list[str]:
-    """The vector and matrix extensions of the CPU (avx*, amx*, fma, f16c, vnni), sorted."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted({flag for flag in line.split(":", 1)[-1].split() if _CPU_FLAG.match(flag)})
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 # ---- the workload -------------------------------------------------------------------------------
@@ -340,7 +319,7 @@ def turn_order(labels: list[str], round_: int) -> list[str]:
 # ---- the benchmark --------------------------------------------------------------------------------
 def run_quant(s: QuantSettings, command: str = "", progress=print) -> dict[str, Any]:
     started, started_at = time.perf_counter(), environment.now_utc()
-    load_start = load_average()
+    load_start = environment.load_average()
     engines, results, skipped = {}, {}, {}
     try:
         for label in s.configs:
@@ -375,7 +354,6 @@ def run_quant(s: QuantSettings, command: str = "", progress=print) -> dict[str, 
             engines[label] = llm
         if BASELINE not in engines:
             raise BenchmarkError(f"the {BASELINE} engine is needed for the ratios: {skipped.get(BASELINE)}")
-        labels = list(engines)
         setup_s = time.perf_counter() - started
         some = next(iter(engines.values())).engine
         prompts = decode_prompts(some.tokenizer, max(s.batch_sizes), s.prompt_len)
@@ -384,7 +362,7 @@ def run_quant(s: QuantSettings, command: str = "", progress=print) -> dict[str, 
         runs = measure_decode(engines, prompts, s, progress)
         trace = offline_trace(some, s)
         offline = measure_offline(engines, trace, s, progress)
-        load_after_engines = load_average()
+        load_after_engines = environment.load_average()
         model_source = some.config.model
         model_config = dataclasses.asdict(some.model_config)
     finally:
@@ -395,9 +373,8 @@ def run_quant(s: QuantSettings, command: str = "", progress=print) -> dict[str, 
     summarize(results, runs, offline, s)
     serve = measure_serve(s, progress)
     record = {
-        "benchmark": "quant", "command": command, "date": started_at,
-        "machine": {**environment.machine_info(), "cpu_flags": cpu_flags()},
-        "load_average": {"start": load_start, "after_in_process": load_after_engines, "end": load_average()},
+        **environment.record_header("quant", command, started_at),
+        "load_average": {"start": load_start, "after_in_process": load_after_engines, "end": environment.load_average()},
         "settings": dataclasses.asdict(s), "model": model_source or _default_model_name(),
         "model_config": {k: v for k, v in model_config.items() if k not in ("rope_freq_factors",)},
         "sampling": "greedy (temperature 0), EOS ignored",
@@ -416,11 +393,10 @@ def run_serve_only(s: QuantSettings, command: str = "", progress=print) -> dict[
     if not s.serve_configs:
         raise ValueError("serve_only needs serve_configs")
     started, started_at = time.perf_counter(), environment.now_utc()
-    load_start = load_average()
+    load_start = environment.load_average()
     serve = measure_serve(s, progress)
-    return {"benchmark": "quant_serve", "command": command, "date": started_at,
-            "machine": {**environment.machine_info(), "cpu_flags": cpu_flags()},
-            "load_average": {"start": load_start, "end": load_average()},
+    return {**environment.record_header("quant_serve", command, started_at),
+            "load_average": {"start": load_start, "end": environment.load_average()},
             "settings": dataclasses.asdict(s), "model": s.model or _default_model_name(),
             "serve_idle": serve, "wall_s": time.perf_counter() - started}
 

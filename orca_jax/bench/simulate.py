@@ -235,7 +235,7 @@ def run_simulation(cost: CostModel, *, rates=DEFAULT_RATES, num_requests: int = 
                    request_returns: str = "batch", batches_in_flight: int | None = None, policies=POLICIES,
                    command: str = "", progress=print) -> dict:
     """Every policy at every rate on the same requests; the JSON record."""
-    from orca_jax.bench.environment import now_utc
+    from orca_jax.bench.environment import record_header
     from orca_jax.bench.orca import format_run
 
     depth = cost.num_stages if batches_in_flight is None else batches_in_flight
@@ -251,7 +251,7 @@ def run_simulation(cost: CostModel, *, rates=DEFAULT_RATES, num_requests: int = 
             progress(format_run(record) + ", stages busy "
                      + "/".join(f"{f:.0%}" for f in record["stage_busy_fraction"]))
     return {
-        "benchmark": "simulate", "date": now_utc(), "command": command,
+        **record_header("simulate", command),
         "settings": {"rates": list(rates), "num_requests": num_requests, "scale": scale, "seed": seed,
                      "num_pages": num_pages, "request_returns": request_returns, "batches_in_flight": depth,
                      "pipeline_stages": cost.num_stages, "policies": list(policies)},

@@ -414,8 +414,7 @@ def run_spec(s: SpecSettings, command: str = "", progress=print) -> dict[str, An
             e.shutdown()
     cells = summarize(runs, list(configs))
     return {
-        "benchmark": "spec", "command": command, "time_utc": environment.now_utc(),
-        "machine": environment.machine_info(), "settings": dataclasses.asdict(s),
+        **environment.record_header("spec", command), "settings": dataclasses.asdict(s),
         "model": s.model or "default (SmolLM2-135M-Instruct, embedded)",
         "draft_model": s.draft_model or "the target model itself (acceptance upper bound)",
         "sampling": "greedy (temperature 0), EOS ignored", "configs": configs, "engine": engine_info,

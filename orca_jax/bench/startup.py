@@ -142,7 +142,7 @@ def run_phases(child: dict[str, Any], launched: float, exited: float) -> dict[st
 
 
 def run_startup(s: StartupSettings, command: str, progress=print) -> dict[str, Any]:
-    from orca_jax.bench.environment import machine_info, now_utc
+    from orca_jax.bench.environment import now_utc, record_header
 
     started = now_utc()
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
@@ -156,7 +156,7 @@ def run_startup(s: StartupSettings, command: str, progress=print) -> dict[str, A
                          f"{run['compiled']} compiled / {run['cache_hits']} from cache, "
                          f"load average {run['load_average_1m']:.2f}")
     return {
-        "benchmark": "startup", "date": started, "command": command, "machine": machine_info(),
+        **record_header("startup", command, started),
         "settings": dataclasses.asdict(s), "generate_command": shlex.join(generate_command(s, Path("RECORD.json"))),
         "targets_first_token_s": TARGET_FIRST_TOKEN_S if s.model is None else None,
         "median": {kind: median_phases(kind_runs) for kind, kind_runs in runs.items()},

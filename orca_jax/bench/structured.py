@@ -520,8 +520,7 @@ def run_structured(s: StructuredSettings, command: str = "", progress=print) -> 
     first = by_num_seqs[str(s.num_seqs[0])]
     runs = [r for cell in by_num_seqs.values() for r in cell["runs"]]
     return {
-        "benchmark": "structured", "command": command, "time_utc": environment.now_utc(),
-        "machine": environment.machine_info(), "settings": dataclasses.asdict(s),
+        **environment.record_header("structured", command), "settings": dataclasses.asdict(s),
         "model": s.model or "default (SmolLM2-135M-Instruct, embedded)",
         "sampling": "greedy (temperature 0), EOS ignored", "schema": records_schema(s.min_items),
         "grammar_compile": first.pop("grammar_compile"),

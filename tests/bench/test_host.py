@@ -152,10 +152,10 @@ def test_cli_parses_the_host_flags():
     args = cli.build_parser().parse_args(["bench", "host", *TINY_RUN, "--modes", "async", "--offline",
                                           "--switch-interval", "0.001"])
     assert args.func.__name__ == "cmd_host"
-    assert args.num_seqs == (4,) and args.max_model_len == (64, 128) and args.mixes == ("realistic",)
-    assert args.modes == ("async",) and args.offline and args.switch_interval == 0.001 and args.long_steps == 0
+    assert args.num_seqs == (4,) and args.max_model_lens == (64, 128) and args.mixes == ("realistic",)
+    assert args.modes == ("async",) and args.offline and args.switch_interval_s == 0.001 and args.long_steps == 0
     defaults = cli.build_parser().parse_args(["bench", "host"])
-    assert defaults.num_seqs == (32, 64, 128, 256) and defaults.max_model_len == (2048, 4096, 8192)
+    assert defaults.num_seqs == (32, 64, 128, 256) and defaults.max_model_lens == (2048, 4096, 8192)
     assert defaults.json == "bench-results/host_cpu.json" and defaults.offline_max_num_seqs == (16, 64)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "host", "--num-seqs", "4,x"])

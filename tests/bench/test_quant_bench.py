@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from orca_jax import cli
-from orca_jax.bench.quant import CONFIGS, DEFAULT_CONFIGS, QuantSettings, agreement, cpu_flags, turn_order
+from orca_jax.bench.environment import cpu_flags
+from orca_jax.bench.quant import CONFIGS, DEFAULT_CONFIGS, QuantSettings, agreement, turn_order
 
 # head_dim 64 as in the models that matter (an 8-bit row of 64 values + 2 scale bytes is 66 bytes
 # against 128 in bfloat16); contractions of 128 and 256 (multiples of GGUF's 32-blocks).

@@ -103,8 +103,8 @@ def test_tiny_run_writes_every_row(bench, tmp_path):
             "--json", str(out)]
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["backend"] == "cpu" and set(report["cpu_flags"]) == set(bench.CPU_FLAGS)
-    assert report["read_bandwidth"]["gb_per_s"] > 0 and report["orca_jax"]["path"]
+    assert report["backend"] == "cpu" and isinstance(report["machine"]["cpu_flags"], list)
+    assert report["read_bandwidth"]["gb_per_s"] > 0 and report["machine"]["orca_jax"]["path"]
     assert set(report["jax_ragged_dot_flags"]) == set(bench.RAGGED_DOT_FLAGS)
 
     matmul = [r for r in report["rows"] if r["part"] == "matmul"]
