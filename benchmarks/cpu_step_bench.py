@@ -488,8 +488,11 @@ def main(argv=None) -> int:
     out = ReportFile(args.json, {**record_header("cpu_step_bench", command), "settings": vars(args), "rows": []})
     report = out.record
 
-    def on_row(row=None):
-        out.add_row(row) if row is not None else out.save()
+    def on_row(row=None):  # a row of the table, or None: a record's other part changed
+        if row is None:
+            out.save()
+        else:
+            out.add_row(row)
 
     bandwidth = None
     if "decode" in args.parts:

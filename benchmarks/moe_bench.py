@@ -614,8 +614,11 @@ def main(argv=None) -> int:
     report = out.record
     print(f"moe_bench on {backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {args.dtype}", flush=True)
 
-    def on_row(row=None):
-        out.add_row(row) if row is not None else out.save()
+    def on_row(row=None):  # a row of the table, or None: a record's other part changed
+        if row is None:
+            out.save()
+        else:
+            out.add_row(row)
 
     bandwidth = None
     if args.bandwidth_mib:

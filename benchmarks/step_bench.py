@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     report = out.record
 
     def write(row=None):
-        report["rows"].append(row) if row is not None else None
+        if row is not None:
+            report["rows"].append(row)
         out.save()
 
     write()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,12 +41,17 @@ def _items(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _converted(text: str, convert: Callable[[str], Any], message: str) -> tuple:
+    """Every comma-separated item of `text` through `convert`; `message` if one does not convert."""
+    try:
+        return tuple(convert(item) for item in _items(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{message}, got {text!r}") from None
+
+
 def positive_floats(text: str) -> tuple[float, ...]:
     """At least one number, each > 0 (arrival rates)."""
-    try:
-        values = tuple(float(item) for item in _items(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
+    values = _converted(text, float, "must be comma-separated numbers")
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"must be positive numbers, at least one, got {text!r}")
     return values
@@ -53,10 +59,7 @@ def positive_floats(text: str) -> tuple[float, ...]:
 
 def sizes(text: str) -> tuple[int, ...]:
     """Integers >= 1; '' for none (a part of a benchmark left out)."""
-    try:
-        values = tuple(int(item) for item in _items(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    values = _converted(text, int, "must be comma-separated integers")
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"must be positive integers (>= 1), got {text!r}")
     return values
@@ -72,10 +75,7 @@ def nonempty_sizes(text: str) -> tuple[int, ...]:
 
 def numbers(text: str) -> tuple[float, ...]:
     """Any numbers, at least one."""
-    try:
-        values = tuple(float(item) for item in _items(text))
-    except ValueError:
-        values = ()
+    values = _converted(text, float, "must be comma-separated numbers, at least one")
     if not values:
         raise argparse.ArgumentTypeError(f"must be comma-separated numbers, at least one, got {text!r}")
     return values
@@ -110,10 +110,7 @@ def int_range(text: str) -> tuple[int, int]:
 
 def fractions(text: str) -> tuple[float, ...]:
     """Shares in [0, 1] with 0 among them (the baseline of the ratios)."""
-    try:
-        values = tuple(float(item) for item in _items(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"fractions must be comma-separated numbers, got {text!r}") from None
+    values = _converted(text, float, "fractions must be comma-separated numbers")
     if 0.0 not in values or not all(0.0 <= v <= 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"fractions must lie in [0, 1] and include 0, got {text!r}")
     return values
@@ -145,6 +142,12 @@ def add_setting(parser: argparse.ArgumentParser, flag: str, help: str, *, defaul
     else:
         help = f"{help} (default {shown(value)})"
     parser.add_argument(flag, dest=field, default=value if default_from_settings else None, help=help, **kwargs)
+
+
+def settings_adder(parser: argparse.ArgumentParser, defaults: Any, *,
+                   default_from_settings: bool = True) -> Callable[..., None]:
+    """`add_setting` bound to one parser and one settings instance: `setting(flag, help, **kwargs)`."""
+    return functools.partial(add_setting, parser, defaults=defaults, default_from_settings=default_from_settings)
 
 
 def add_model_option(parser: argparse.ArgumentParser, *, what: str = "HF directory or .gguf file") -> None:

@@ -15,7 +15,7 @@ import os
 
 from orca_jax.bench.arguments import (
     add_json_option, add_model_option, add_setting, fractions, int_range, names, non_negative_int, positive_float,
-    positive_floats, positive_int, settings_from_args, sizes)
+    positive_floats, positive_int, settings_adder, settings_from_args, sizes)
 from orca_jax.bench.harness import RESULTS_DIR, add_subcommand, progress_line, run_benchmark, write_json
 
 DTYPES = ("float32", "bfloat16")
@@ -64,25 +64,26 @@ def _orca_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.orca import SweepSettings
 
     d = SweepSettings()
+    setting = settings_adder(p, d)
     add_model_option(p, what="HF directory, .gguf file or hub id")
-    add_setting(p, "--scale", "length scale: input U[32, 512] and output U[1, 128] times this", defaults=d,
+    setting("--scale", "length scale: input U[32, 512] and output U[1, 128] times this",
                 type=positive_float)
-    add_setting(p, "--num-requests", "requests per rate", defaults=d, type=positive_int)
-    add_setting(p, "--rates", "comma-separated arrival rates, requests/s", defaults=d, type=positive_floats)
-    add_setting(p, "--max-num-seqs", "max batch size, both policies", defaults=d, type=positive_int)
-    add_setting(p, "--max-num-batched-tokens", "token budget per step", defaults=d, type=positive_int)
-    add_setting(p, "--page-size", "tokens per KV page", defaults=d, type=positive_int)
+    setting("--num-requests", "requests per rate", type=positive_int)
+    setting("--rates", "comma-separated arrival rates, requests/s", type=positive_floats)
+    setting("--max-num-seqs", "max batch size, both policies", type=positive_int)
+    setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
+    setting("--page-size", "tokens per KV page", type=positive_int)
     p.add_argument("--num-pages", type=positive_int, default=None,
                    help="KV pool, both policies (default: max_num_seqs full-length sequences)")
-    add_setting(p, "--dtype", "engine dtype", defaults=d, choices=DTYPES)
-    add_setting(p, "--seed", "seed of the trace (arrivals, lengths, prompts)", defaults=d, type=int)
+    setting("--dtype", "engine dtype", choices=DTYPES)
+    setting("--seed", "seed of the trace (arrivals, lengths, prompts)", type=int)
     p.add_argument("--slo-ms-per-token", type=positive_float, default=None,
                    help="latency of the headline ratio (default: 2x the unloaded iteration-level latency)")
-    add_setting(p, "--policies", "comma-separated scheduling policies to compare: iteration, request, "
-                "request_padded (FasterTransformer's padded rectangles)", defaults=d, type=names)
-    add_setting(p, "--pipeline-parallel-size", "pipeline stages, every policy (on CPU force devices first: "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=N)", defaults=d, type=positive_int)
-    add_setting(p, "--tensor-parallel-size", "devices per stage", defaults=d, type=positive_int)
+    setting("--policies", "comma-separated scheduling policies to compare: iteration, request, "
+                "request_padded (FasterTransformer's padded rectangles)", type=names)
+    setting("--pipeline-parallel-size", "pipeline stages, every policy (on CPU force devices first: "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=N)", type=positive_int)
+    setting("--tensor-parallel-size", "devices per stage", type=positive_int)
     _add_request_returns(p, d)
     add_json_option(p, f"{RESULTS_DIR}/orca_cpu.json")
     p.add_argument("--plot", default=f"{RESULTS_DIR}/orca_cpu.png", help="output figure ('' for none)")
@@ -100,23 +101,23 @@ def _offline_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.offline import OfflineSettings
 
     d = OfflineSettings()
+    setting = settings_adder(p, d)
     add_model_option(p)
-    add_setting(p, "--num-requests", "requests, all arriving at t=0", defaults=d, type=positive_int)
-    add_setting(p, "--scale", "length scale (0.5: input U[16, 256], output U[1, 64]); 1.0 is Orca's trace",
-                defaults=d, type=positive_float)
-    add_setting(p, "--max-num-seqs", "orca_jax max_num_seqs; also the static batch size and the continuous peer's "
-                "batch", defaults=d, type=positive_int)
-    add_setting(p, "--max-num-batched-tokens", "orca_jax token budget per step; also the continuous peer's "
-                "max_batch_tokens", defaults=d, type=positive_int)
-    add_setting(p, "--dtype", "orca_jax dtype (the transformers peers always run float32)", defaults=d, choices=DTYPES)
+    setting("--num-requests", "requests, all arriving at t=0", type=positive_int)
+    setting("--scale", "length scale (0.5: input U[16, 256], output U[1, 64]); 1.0 is Orca's trace",
+            type=positive_float)
+    setting("--max-num-seqs", "orca_jax max_num_seqs; also the static batch size and the continuous peer's "
+                "batch", type=positive_int)
+    setting("--max-num-batched-tokens", "orca_jax token budget per step; also the continuous peer's "
+                "max_batch_tokens", type=positive_int)
+    setting("--dtype", "orca_jax dtype (the transformers peers always run float32)", choices=DTYPES)
     p.add_argument("--max-model-len", type=positive_int, default=None, help="orca_jax max_model_len (default: the model's)")
-    add_setting(p, "--page-size", "orca_jax tokens per KV page", defaults=d, type=positive_int)
-    add_setting(p, "--async-scheduling", "orca_jax overlaps the host's work with the device's", defaults=d,
+    setting("--page-size", "orca_jax tokens per KV page", type=positive_int)
+    setting("--async-scheduling", "orca_jax overlaps the host's work with the device's",
                 action=argparse.BooleanOptionalAction)
-    add_setting(p, "--peers", "comma-separated peers, run in this order after orca_jax: static (transformers' "
+    setting("--peers", "comma-separated peers, run in this order after orca_jax: static (transformers' "
                 "generate), continuous (transformers' continuous batching), vllm (vLLM's CPU build, its default "
-                "OpenMP threads), vllm_bind (vLLM with its OpenMP threads bound to --vllm-omp-bind)",
-                defaults=d, type=names)
+                "OpenMP threads), vllm_bind (vLLM with its OpenMP threads bound to --vllm-omp-bind)", type=names)
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="the Python of vLLM's own environment (default: $ORCA_JAX_VLLM_PYTHON, else this Python "
                         "if it imports vllm, else the environment of a `vllm` command on PATH; none found: "
@@ -124,15 +125,15 @@ def _offline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-omp-bind", type=_omp_bind, default=None, metavar="CPUS",
                    help="VLLM_CPU_OMP_THREADS_BIND of the vllm_bind peer, e.g. 0-1 (default: every core "
                         "this process may run on)")
-    add_setting(p, "--vllm-timeout", "seconds per vLLM peer: engine start, warm-up and run", defaults=d,
+    setting("--vllm-timeout", "seconds per vLLM peer: engine start, warm-up and run",
                 field="vllm_timeout_s", type=positive_float)
     p.add_argument("--skip-peers", action="store_true", help="run orca_jax only (no torch needed)")
-    add_setting(p, "--seed", "seed of the requests", defaults=d, type=int)
+    setting("--seed", "seed of the requests", type=int)
     p.add_argument("--torch-threads", type=positive_int, default=os.cpu_count() or 1,
                    help="torch threads of the peers (default: all cores)")
-    add_setting(p, "--torch-device", "auto (cuda when available), cpu, cuda, cuda:1, ...", defaults=d)
-    add_setting(p, "--matmul-size", "square matmul for the roofline rate", defaults=d, type=positive_int)
-    add_setting(p, "--matmul-repeats", "timed matmuls for the roofline rate", defaults=d, type=positive_int)
+    setting("--torch-device", "auto (cuda when available), cpu, cuda, cuda:1, ...")
+    setting("--matmul-size", "square matmul for the roofline rate", type=positive_int)
+    setting("--matmul-repeats", "timed matmuls for the roofline rate", type=positive_int)
     add_json_option(p, None)
 
 
@@ -253,10 +254,11 @@ def _startup_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.startup import StartupSettings
 
     d = StartupSettings()
+    setting = settings_adder(p, d)
     add_model_option(p)
     p.add_argument("--prompt", default=d.prompt, help=f"the chat prompt (default: {d.prompt!r})")
-    add_setting(p, "--max-tokens", "tokens to generate", defaults=d, type=positive_int)
-    add_setting(p, "--repeats", "cold and warm runs each", defaults=d, type=positive_int)
+    setting("--max-tokens", "tokens to generate", type=positive_int)
+    setting("--repeats", "cold and warm runs each", type=positive_int)
     p.add_argument("--generate-args", default="", metavar="FLAGS",
                    help="more `orca-jax generate` flags, quoted as one string (e.g. '--max-num-batched-tokens 128')")
     add_json_option(p, f"{RESULTS_DIR}/startup_cpu.json")
@@ -273,27 +275,28 @@ def _host_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.host import HostSettings
 
     d = HostSettings()
-    add_setting(p, "--models", "random host models: tiny, balanced; '' for none", defaults=d, type=names)
-    add_setting(p, "--num-seqs", "running sequences per cell", defaults=d, type=sizes)
-    add_setting(p, "--max-model-len", "engines' max_model_len", defaults=d, field="max_model_lens", type=sizes)
-    add_setting(p, "--mixes", "request mixes: greedy, realistic", defaults=d, type=names)
-    add_setting(p, "--modes", "scheduling modes: sync, async", defaults=d, type=names)
-    add_setting(p, "--warm-steps", "decode-only steps in a row before recording", defaults=d, type=positive_int)
-    add_setting(p, "--steps", "recorded steps per cell", defaults=d, type=positive_int)
-    add_setting(p, "--prompt-len", "prompt tokens", defaults=d, type=positive_int)
-    add_setting(p, "--long-steps", "decode steps before the long cell records; 0: no long cell", defaults=d,
+    setting = settings_adder(p, d)
+    setting("--models", "random host models: tiny, balanced; '' for none", type=names)
+    setting("--num-seqs", "running sequences per cell", type=sizes)
+    setting("--max-model-len", "engines' max_model_len", field="max_model_lens", type=sizes)
+    setting("--mixes", "request mixes: greedy, realistic", type=names)
+    setting("--modes", "scheduling modes: sync, async", type=names)
+    setting("--warm-steps", "decode-only steps in a row before recording", type=positive_int)
+    setting("--steps", "recorded steps per cell", type=positive_int)
+    setting("--prompt-len", "prompt tokens", type=positive_int)
+    setting("--long-steps", "decode steps before the long cell records; 0: no long cell",
                 type=non_negative_int)
-    add_setting(p, "--long-mix", "request mix of the long cell", defaults=d, choices=("greedy", "realistic"))
-    add_setting(p, "--long-model", "model of the long cell, also when --models leaves it out", defaults=d)
+    setting("--long-mix", "request mix of the long cell", choices=("greedy", "realistic"))
+    setting("--long-model", "model of the long cell, also when --models leaves it out")
     p.add_argument("--offline", action="store_true",
                    help="also bench offline's orca_jax run (default model) at --offline-max-num-seqs, per mode")
-    add_setting(p, "--offline-max-num-seqs", "max_num_seqs of the offline runs", defaults=d, type=sizes)
-    add_setting(p, "--max-num-batched-tokens", "token budget per step, above the largest --num-seqs", defaults=d,
+    setting("--offline-max-num-seqs", "max_num_seqs of the offline runs", type=sizes)
+    setting("--max-num-batched-tokens", "token budget per step, above the largest --num-seqs",
                 type=positive_int)
-    add_setting(p, "--page-size", "tokens per KV page", defaults=d, type=positive_int)
-    add_setting(p, "--switch-interval", "sys.setswitchinterval while measuring, seconds", defaults=d,
+    setting("--page-size", "tokens per KV page", type=positive_int)
+    setting("--switch-interval", "sys.setswitchinterval while measuring, seconds",
                 field="switch_interval_s", type=positive_float)
-    add_setting(p, "--seed", "seed of the weights and the prompts", defaults=d, type=int)
+    setting("--seed", "seed of the weights and the prompts", type=int)
     add_json_option(p, f"{RESULTS_DIR}/host_cpu.json")
 
 
@@ -309,23 +312,24 @@ def _prefix_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.prefix import PrefixSettings
 
     d = PrefixSettings()
+    setting = settings_adder(p, d)
     add_model_option(p)
-    add_setting(p, "--num-requests", "requests sharing the prefix", defaults=d, type=positive_int)
-    add_setting(p, "--prefix-len", "tokens of the shared system prompt", defaults=d, type=positive_int)
-    add_setting(p, "--question-range", "tokens of each request's own question, uniform", defaults=d, type=int_range,
+    setting("--num-requests", "requests sharing the prefix", type=positive_int)
+    setting("--prefix-len", "tokens of the shared system prompt", type=positive_int)
+    setting("--question-range", "tokens of each request's own question, uniform", type=int_range,
                 metavar="LOW,HIGH")
-    add_setting(p, "--output-len", "output tokens per request, EOS ignored", defaults=d, type=positive_int)
-    add_setting(p, "--rate", "Poisson arrival rate of the second run, requests/s; 0 skips it", defaults=d, type=float)
-    add_setting(p, "--max-num-seqs", "max batch size, both engines", defaults=d, type=positive_int)
-    add_setting(p, "--max-num-batched-tokens", "token budget per step", defaults=d, type=positive_int)
-    add_setting(p, "--page-size", "tokens per KV page, the unit of sharing", defaults=d, type=positive_int)
-    add_setting(p, "--dtype", "engine dtype", defaults=d, choices=DTYPES)
-    add_setting(p, "--seed", "seed of the prompts and arrivals", defaults=d, type=int)
-    add_setting(p, "--n", "samples of the n > 1 check; 0 skips it", defaults=d, field="n_samples",
+    setting("--output-len", "output tokens per request, EOS ignored", type=positive_int)
+    setting("--rate", "Poisson arrival rate of the second run, requests/s; 0 skips it", type=float)
+    setting("--max-num-seqs", "max batch size, both engines", type=positive_int)
+    setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
+    setting("--page-size", "tokens per KV page, the unit of sharing", type=positive_int)
+    setting("--dtype", "engine dtype", choices=DTYPES)
+    setting("--seed", "seed of the prompts and arrivals", type=int)
+    setting("--n", "samples of the n > 1 check; 0 skips it", field="n_samples",
                 type=non_negative_int)
-    add_setting(p, "--overhead-requests", "requests of Orca's trace for the no-sharing cost; 0 skips it", defaults=d,
+    setting("--overhead-requests", "requests of Orca's trace for the no-sharing cost; 0 skips it",
                 type=non_negative_int)
-    add_setting(p, "--overhead-rounds", "alternating rounds of the no-sharing runs", defaults=d, type=positive_int)
+    setting("--overhead-rounds", "alternating rounds of the no-sharing runs", type=positive_int)
     add_json_option(p, f"{RESULTS_DIR}/prefix_cpu.json")
 
 
@@ -341,22 +345,23 @@ def _structured_options(p: argparse.ArgumentParser) -> None:
     from orca_jax.bench.structured import StructuredSettings
 
     d = StructuredSettings()
+    setting = settings_adder(p, d)
     add_model_option(p)
-    add_setting(p, "--num-seqs", "batch sizes N, one engine each with max_num_seqs = N", defaults=d, type=sizes)
-    add_setting(p, "--fractions", "constrained shares of the N requests, 0 included", defaults=d, type=fractions)
-    add_setting(p, "--rounds", "rounds of the fractions by turns, medians", defaults=d, type=positive_int)
-    add_setting(p, "--output-len", "output tokens of every request, EOS ignored", defaults=d, type=positive_int)
-    add_setting(p, "--prompt-len", "random prompt tokens per request", defaults=d, type=positive_int)
-    add_setting(p, "--min-items", "records the schema requires, so it never completes", defaults=d, type=positive_int)
-    add_setting(p, "--max-num-batched-tokens", "token budget per step, >= every N", defaults=d, type=positive_int)
-    add_setting(p, "--page-size", "tokens per KV page", defaults=d, type=positive_int)
-    add_setting(p, "--dtype", "engine dtype", defaults=d, choices=DTYPES)
-    add_setting(p, "--seed", "seed of the prompts and the engine", defaults=d, type=int)
-    add_setting(p, "--compile-repeats", "cold compiles per schema for the compile times, medians", defaults=d,
+    setting("--num-seqs", "batch sizes N, one engine each with max_num_seqs = N", type=sizes)
+    setting("--fractions", "constrained shares of the N requests, 0 included", type=fractions)
+    setting("--rounds", "rounds of the fractions by turns, medians", type=positive_int)
+    setting("--output-len", "output tokens of every request, EOS ignored", type=positive_int)
+    setting("--prompt-len", "random prompt tokens per request", type=positive_int)
+    setting("--min-items", "records the schema requires, so it never completes", type=positive_int)
+    setting("--max-num-batched-tokens", "token budget per step, >= every N", type=positive_int)
+    setting("--page-size", "tokens per KV page", type=positive_int)
+    setting("--dtype", "engine dtype", choices=DTYPES)
+    setting("--seed", "seed of the prompts and the engine", type=int)
+    setting("--compile-repeats", "cold compiles per schema for the compile times, medians",
                 type=positive_int)
-    add_setting(p, "--sync-baseline", "the 0%% runs again on a twin engine with async scheduling off (the worth "
-                "of the overlap)", defaults=d, action=argparse.BooleanOptionalAction)
-    add_setting(p, "--switch-interval", "sys.setswitchinterval while measuring, seconds", defaults=d,
+    setting("--sync-baseline", "the 0%% runs again on a twin engine with async scheduling off (the worth "
+                "of the overlap)", action=argparse.BooleanOptionalAction)
+    setting("--switch-interval", "sys.setswitchinterval while measuring, seconds",
                 field="switch_interval_s", type=positive_float)
     add_json_option(p, f"{RESULTS_DIR}/structured_cpu.json")
 
@@ -381,8 +386,9 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
 
     d = SpecSettings()
 
-    def setting(flag, help, **kwargs):  # None by default: the base is SpecSettings() or .quick()
-        add_setting(p, flag, help, defaults=d, default_from_settings=False, **kwargs)
+    # None by default: the base is SpecSettings() or .quick().
+    quick_setting = settings_adder(p, d, default_from_settings=False)
+    setting = settings_adder(p, d)
 
     add_model_option(p)
     p.add_argument("--draft-model", default=None,
@@ -390,23 +396,23 @@ def _spec_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small defaults for a tiny model (the tests): batch 1,2, n-gram and draft k 3, 16-token outputs, "
                         "a token budget of 8")
-    setting("--batch-sizes", "requests in flight; one engine per configuration at the largest", type=sizes)
-    setting("--workloads", f"comma-separated among {','.join(WORKLOADS)}", type=names)
-    setting("--ngram-k", "n-gram num_speculative_tokens, one engine each; '' for none", type=sizes)
-    setting("--draft-k", "draft-model num_speculative_tokens, one engine each; '' for none", type=sizes)
-    setting("--rounds", "rounds of the configurations by turns, medians", type=positive_int)
-    setting("--copy-output-len", "output tokens of each copy request, EOS ignored", type=positive_int)
-    setting("--copy-sentences", "sentences of the passage to repeat (default: all)", type=positive_int)
-    setting("--random-scale", "length scale of Orca's random trace (0.25: input U[8, 128], output U[1, 32])",
-            type=positive_float)
-    setting("--random-requests-per-slot", "random trace at batch B: B times this many requests, B in flight",
-            type=positive_int)
-    setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
-    setting("--page-size", "tokens per KV page", type=positive_int)
-    add_setting(p, "--dtype", "engine dtype", defaults=d, choices=DTYPES)
-    add_setting(p, "--seed", "seed of the random trace and the engines", defaults=d, type=int)
-    setting("--switch-interval", "sys.setswitchinterval while measuring, seconds", field="switch_interval_s",
-            type=positive_float)
+    quick_setting("--batch-sizes", "requests in flight; one engine per configuration at the largest", type=sizes)
+    quick_setting("--workloads", f"comma-separated among {','.join(WORKLOADS)}", type=names)
+    quick_setting("--ngram-k", "n-gram num_speculative_tokens, one engine each; '' for none", type=sizes)
+    quick_setting("--draft-k", "draft-model num_speculative_tokens, one engine each; '' for none", type=sizes)
+    quick_setting("--rounds", "rounds of the configurations by turns, medians", type=positive_int)
+    quick_setting("--copy-output-len", "output tokens of each copy request, EOS ignored", type=positive_int)
+    quick_setting("--copy-sentences", "sentences of the passage to repeat (default: all)", type=positive_int)
+    quick_setting("--random-scale", "length scale of Orca's random trace (0.25: input U[8, 128], output U[1, 32])",
+                  type=positive_float)
+    quick_setting("--random-requests-per-slot", "random trace at batch B: B times this many requests, B in flight",
+                  type=positive_int)
+    quick_setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
+    quick_setting("--page-size", "tokens per KV page", type=positive_int)
+    setting("--dtype", "engine dtype", choices=DTYPES)
+    setting("--seed", "seed of the random trace and the engines", type=int)
+    quick_setting("--switch-interval", "sys.setswitchinterval while measuring, seconds", field="switch_interval_s",
+                  type=positive_float)
     add_json_option(p, f"{RESULTS_DIR}/spec_cpu.json")
 
 
@@ -430,37 +436,39 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
 
     d = QuantSettings()
 
-    def setting(flag, help, **kwargs):  # None by default: the base is QuantSettings() or .quick()
-        add_setting(p, flag, help, defaults=d, default_from_settings=False, **kwargs)
+    # None by default: the base is QuantSettings() or .quick().
+    quick_setting = settings_adder(p, d, default_from_settings=False)
+    setting = settings_adder(p, d)
 
     add_model_option(p)
     p.add_argument("--quick", action="store_true",
                    help="small defaults for a tiny model (the tests): configs float32,bfloat16,int8+kv_int8,gguf, batch "
                         "1,2, 8-token outputs, 2 rounds, one token bucket, a 64 KiB KV budget, two small servers at once")
-    setting("--configs", f"comma-separated among {','.join(CONFIGS)}", type=names)
-    setting("--batch-sizes", "decode batch sizes; max_num_seqs is the largest", type=sizes)
-    setting("--prompt-len", "prompt tokens of the decode requests", type=positive_int)
-    setting("--decode-tokens", "output tokens of each decode request, EOS ignored", type=positive_int)
-    setting("--rounds", "decode rounds of the configurations by turns, medians", type=positive_int)
-    setting("--agreement-tokens", "greedy tokens compared with float32's", type=positive_int)
-    setting("--offline-requests", "requests of Orca's trace, all at t=0", type=positive_int)
-    setting("--offline-scale", "length scale of Orca's trace (0.25: input U[8, 128], output U[1, 32])",
-            type=positive_float)
-    setting("--offline-rounds", "offline runs per configuration, by turns", type=positive_int)
-    setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
-    setting("--page-size", "tokens per KV page", type=positive_int)
-    setting("--max-model-len", "every engine's max_model_len", type=positive_int)
-    setting("--kv-cache-memory-bytes", f"every engine's KV byte budget ({d.kv_cache_memory_bytes / 2**20:g} MiB)",
-            type=positive_int)
-    setting("--serve-configs", f"idle `orca-jax serve` memory, comma-separated among {','.join(SERVE_CONFIGS)}; "
-            "'' for none", type=names)
-    setting("--serve-parallel", "start the servers at once (--quick: at once)", action=argparse.BooleanOptionalAction)
-    setting("--settle", "idle seconds after /health answers before reading a server's memory", field="settle_s",
-            type=float)
+    quick_setting("--configs", f"comma-separated among {','.join(CONFIGS)}", type=names)
+    quick_setting("--batch-sizes", "decode batch sizes; max_num_seqs is the largest", type=sizes)
+    quick_setting("--prompt-len", "prompt tokens of the decode requests", type=positive_int)
+    quick_setting("--decode-tokens", "output tokens of each decode request, EOS ignored", type=positive_int)
+    quick_setting("--rounds", "decode rounds of the configurations by turns, medians", type=positive_int)
+    quick_setting("--agreement-tokens", "greedy tokens compared with float32's", type=positive_int)
+    quick_setting("--offline-requests", "requests of Orca's trace, all at t=0", type=positive_int)
+    quick_setting("--offline-scale", "length scale of Orca's trace (0.25: input U[8, 128], output U[1, 32])",
+                  type=positive_float)
+    quick_setting("--offline-rounds", "offline runs per configuration, by turns", type=positive_int)
+    quick_setting("--max-num-batched-tokens", "token budget per step", type=positive_int)
+    quick_setting("--page-size", "tokens per KV page", type=positive_int)
+    quick_setting("--max-model-len", "every engine's max_model_len", type=positive_int)
+    quick_setting("--kv-cache-memory-bytes", f"every engine's KV byte budget ({d.kv_cache_memory_bytes / 2**20:g} MiB)",
+                  type=positive_int)
+    quick_setting("--serve-configs", f"idle `orca-jax serve` memory, comma-separated among {','.join(SERVE_CONFIGS)}; "
+                  "'' for none", type=names)
+    quick_setting("--serve-parallel", "start the servers at once (--quick: at once)",
+                  action=argparse.BooleanOptionalAction)
+    quick_setting("--settle", "idle seconds after /health answers before reading a server's memory", field="settle_s",
+                  type=float)
     p.add_argument("--serve-only", action="store_true",
                    help="only the idle servers of --serve-configs (no engine in this process; one after another "
                         "unless --serve-parallel)")
-    add_setting(p, "--seed", "seed of the offline trace and the engines", defaults=d, type=int)
+    setting("--seed", "seed of the offline trace and the engines", type=int)
     add_json_option(p, f"{RESULTS_DIR}/quant_cpu.json", "--out", "--json")
 
 

@@ -35,17 +35,22 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "jax": jax.__version__, "jax_backend": jax.default_backend(), "jax_devices": [str(d) for d in jax.devices()],
-        "numpy": np.__version__, "cpu_flags": cpu_flags(), "orca_jax": source_revision(),
+        "numpy": np.__version__, "orca_jax": source_revision(),
     }
     try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    info["cpu_flags"] = cpu_flags(cpuinfo)
+    info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                              if line.startswith("model name")), None)
+    try:
         with open("/proc/meminfo") as f:
             info["mem_total_kib"] = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
         # Other jobs on a shared machine show here; a high load explains a noisy number.
         info["load_average"] = load_average()
     except (OSError, StopIteration, ValueError):
-        pass
+        pass  # not Linux: no /proc/meminfo
     for name in ("torch", "transformers"):
         # From the installed metadata: importing torch would cost seconds and its memory would
         # count in the benchmark's own.
