@@ -486,13 +486,7 @@ def main(argv=None) -> int:
     words = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "benchmarks/cpu_step_bench.py", *words])
     out = ReportFile(args.json, {**record_header("cpu_step_bench", command), "settings": vars(args), "rows": []})
-    report = out.record
-
-    def on_row(row=None):  # a row of the table, or None: a record's other part changed
-        if row is None:
-            out.save()
-        else:
-            out.add_row(row)
+    report, on_row = out.record, out.add_row
 
     bandwidth = None
     if "decode" in args.parts:

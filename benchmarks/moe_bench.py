@@ -611,14 +611,8 @@ def main(argv=None) -> int:
     command = shlex.join(["python", "benchmarks/moe_bench.py", *words])
     out = ReportFile(args.json, {**record_header("moe_bench", command), "settings": settings, "backend": backend,
                                  "jax_ragged_dot_flags": jax_ragged_dot_flags(), "models": {}, "rows": []})
-    report = out.record
+    report, on_row = out.record, out.add_row
     print(f"moe_bench on {backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {args.dtype}", flush=True)
-
-    def on_row(row=None):  # a row of the table, or None: a record's other part changed
-        if row is None:
-            out.save()
-        else:
-            out.add_row(row)
 
     bandwidth = None
     if args.bandwidth_mib:

@@ -44,10 +44,12 @@ class ReportFile:
     def save(self) -> None:
         write_json(self.record, self.path, quiet=True)
 
-    def add_row(self, row: dict, key: str = "rows") -> None:
-        """Append `row` to the record's `key` list, print it as one JSON line, save."""
-        self.record.setdefault(key, []).append(row)
-        print(json.dumps(row, default=str), flush=True)
+    def add_row(self, row: dict | None = None, key: str = "rows") -> None:
+        """Append `row` to the record's `key` list and print it as one JSON line, then save;
+        None only saves (another part of the record changed). A benchmark's row callback."""
+        if row is not None:
+            self.record.setdefault(key, []).append(row)
+            print(json.dumps(row, default=str), flush=True)
         self.save()
 
 

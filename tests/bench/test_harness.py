@@ -15,6 +15,9 @@ def test_report_file_keeps_every_row_written_so_far(tmp_path, capsys):
     out.add_row({"a": 2})
     assert json.loads(path.read_text())["rows"] == [{"a": 1}, {"a": 2}]
     assert capsys.readouterr().out.splitlines() == ['{"a": 1}', '{"a": 2}']
+    out.record["total"] = 2
+    out.add_row(None)  # no row: saves what else changed, prints nothing
+    assert json.loads(path.read_text())["total"] == 2 and capsys.readouterr().out == ""
     harness.ReportFile(None, {}).save()  # no path: writes nothing, raises nothing
 
 
