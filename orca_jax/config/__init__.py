@@ -30,6 +30,8 @@ DTYPES = ("float32", "bfloat16")
 # (orca_jax/kernels/kv_quant.py); "fp8" is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = (*DTYPES, *kv_quant.KV_CACHE_DTYPES, "fp8")
 _KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
+# A layer's attention, by HF's `layer_types` names.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # Weight formats (orca_jax/kernels/quantization.py), by vLLM's `quantization` names.
 QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 # Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
@@ -54,9 +56,15 @@ class ModelConfig:
     # (named after the Llama field, which came first).
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # llama3-style frequency scaling: dict with factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings. None means plain RoPE.
+    # RoPE scaling as HF's `rope_scaling` dict holds it, "rope_type" included (linear, dynamic,
+    # yarn, longrope, llama3; orca_jax/models/rope.py), as sorted (key, value) items with lists
+    # made tuples, so the config stays hashable. None means plain RoPE.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # The fraction of each head's dimensions that RoPE rotates (Phi-3/4's partial rotary).
+    partial_rotary_factor: float = 1.0
+    # Gemma 3: the sliding layers' RoPE base, without the scaling the full layers use. None: all
+    # layers rotate alike.
+    rope_local_theta: float | None = None
     # Per-frequency divisors stored in llama.cpp files (GGUF `rope_freqs.weight`, written for
     # llama3-scaled models instead of the scaling parameters).
     rope_freq_factors: tuple[float, ...] | None = None
@@ -70,9 +78,17 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     hidden_act: str = "silu"  # the MLP's activation, by its transformers name
     sliding_window: int | None = None
-    # Attention scores capped as c * tanh(s / c) before the softmax (HF's name, Gemma 2's
-    # setting); no supported family's checkpoints set it, so only a config built in code does.
+    # Each layer's attention, HF's `layer_types`: "sliding_attention" (the last `sliding_window`
+    # tokens) or "full_attention". None: every layer alike, windowed when `sliding_window` is set.
+    layer_types: tuple[str, ...] | None = None
+    # Attention scores capped as c * tanh(s / c) before the softmax (HF's name, Gemma 2's).
     attn_logit_softcapping: float | None = None
+    # Gemma: scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2: logits capped as c * tanh(z / c).
+    final_logit_softcapping: float | None = None
+    # gpt-oss: a learned logit per query head joins each softmax's denominator ("sinks").
+    attention_sinks: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     # How the weights are stored (a format of orca_jax.kernels.quantization: "int8", "fp8", "gguf");
@@ -103,6 +119,14 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                              f"num_experts ({self.num_experts})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.router_scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
 
@@ -113,6 +137,29 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if kind == "sliding_attention" else None for kind in self.layer_types)
+
+    def for_layers(self, layers: range) -> "ModelConfig":
+        """The config of a run of consecutive layers (a pipeline stage): as many layers, each
+        with its own attention type."""
+        layer_types = None if self.layer_types is None else self.layer_types[layers.start:layers.stop]
+        return dataclasses.replace(self, num_layers=len(layers), layer_types=layer_types)
+
+    @property
+    def mixes_attention_types(self) -> bool:
+        """Whether some layers slide and others attend in full (the scan then carries each
+        layer's window and RoPE as data)."""
+        return len(set(self.layer_windows())) > 1
+
+    @property
+    def sm_scale(self) -> float:
+        """The factor every attention score is scaled by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 def kv_pool_tokens(num_pages: int, page_size: int) -> int:

@@ -346,16 +346,18 @@ def gather_logits(mesh: Mesh, logits: jax.Array) -> jax.Array:
 
 # ---- attention per shard ---------------------------------------------------------------------
 def per_shard_attention(mesh: Mesh, attend: Callable) -> Callable:
-    """Run `attend(q, k, v, kv_pages, metadata) -> (out, kv_pages)` on each device's own heads:
-    q [T, N, H], k/v [T, K, H] and out sharded over heads, the flat cache [pages, page, 2K, H]
-    over its head slots, metadata (a pytree of index arrays) replicated.
+    """Run `attend(q, k, v, kv_pages, metadata, window, sinks) -> (out, kv_pages)` on each
+    device's own heads: q [T, N, H], k/v [T, K, H] and out sharded over heads, the flat cache
+    [pages, page, 2K, H] over its head slots, metadata (a pytree of index arrays) and the
+    layer's traced window (i32[] or None) replicated, the sinks [N] (or None) with their heads.
 
     check_vma is off: the kernels inside (Pallas calls among them) are written for one device
     and need not declare how their values vary over the mesh; the specs above say it."""
     heads = P(None, MODEL_AXIS, None)
     pages = P(None, None, MODEL_AXIS, None)
     return jax.shard_map(
-        attend, mesh=mesh, in_specs=(heads, heads, heads, pages, P()), out_specs=(heads, pages), check_vma=False,
+        attend, mesh=mesh, in_specs=(heads, heads, heads, pages, P(), P(), P(MODEL_AXIS)), out_specs=(heads, pages),
+        check_vma=False,
     )
 
 

@@ -1,6 +1,6 @@
 """The one attention entry point. Implementations share the signature of
 `reference.ragged_paged_attention`, `(q, kv_pages, metadata, *, sm_scale, sliding_window,
-soft_cap, <their own options>)`, where `metadata` is the step's `AttentionMetadata` whole;
+soft_cap, sinks, <their own options>)`, where `metadata` is the step's `AttentionMetadata` whole;
 `impl` picks one, and "auto" picks by backend:
 
     impl           runs on                    notes
@@ -33,7 +33,13 @@ from orca_jax.kernels.reference import write_kv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv", "resolve_impl", "available_impls"]
+__all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv", "resolve_impl", "available_impls",
+           "FULL_ATTENTION_WINDOW"]
+
+# The window a full-attention layer passes where the model's layers carry their windows as data
+# (sliding and full layers in one scan): wider than any context, small enough that positions
+# minus it stay in int32.
+FULL_ATTENTION_WINDOW = 1 << 30
 
 # The backend each kernel is built for; "auto" picks the kernel of the running backend.
 _KERNEL_FOR_BACKEND = {"cpu": "cpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
@@ -56,11 +62,14 @@ _IMPLS = {
     "pallas_gpu": _pallas_gpu,
     "pallas_tpu": tpu_kernel.ragged_paged_attention,
 }
-# Why a kernel cannot take these arrays (None: it can), from static shapes and dtypes only.
+# Why a kernel cannot take these arrays and options (None: it can), from static shapes, dtypes
+# and whether the window is traced or the sinks given: never from values.
 _UNSUPPORTED_REASON = {
-    "pallas_gpu": lambda q, kv_pages: gpu_kernel.unsupported_reason(q.shape[-1], kv_pages.shape[1]),
-    "pallas_tpu": lambda q, kv_pages: tpu_kernel.unsupported_reason(
-        q.shape[1], kv_pages.shape[2] // 2, q.shape[-1], q.dtype, kv_pages.dtype),
+    "pallas_gpu": lambda q, kv_pages, sliding_window, sinks: gpu_kernel.unsupported_reason(
+        q.shape[-1], kv_pages.shape[1]),
+    "pallas_tpu": lambda q, kv_pages, sliding_window, sinks: tpu_kernel.unsupported_reason(
+        q.shape[1], kv_pages.shape[2] // 2, q.shape[-1], q.dtype, kv_pages.dtype,
+        traced_window=isinstance(sliding_window, jax.Array), has_sinks=sinks is not None),
 }
 
 
@@ -87,14 +96,18 @@ def resolve_impl(impl: str = "auto", backend: str | None = None) -> str:
 
 
 def ragged_paged_attention(q, kv_pages, metadata: AttentionMetadata, *,
-                           sm_scale, sliding_window=None, soft_cap=None, impl="auto"):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None, impl="auto"):
     """Attention of the flattened queries of a ragged batch against the paged KV cache.
 
     q [T, num_q_heads, head_dim]; kv_pages [num_pages, page_size, 2 * num_kv_heads, head_dim]
     (K at even, V at odd head slots); metadata: the step's AttentionMetadata, of which
     attention reads kv_lens int32[S], page_table int32[S, max_pages_per_seq],
     cu_q_lens int32[S + 1] and num_seqs int32[1]. `soft_cap` (None: off) caps every score at
-    `soft_cap * tanh(score / soft_cap)` before the softmax. Returns [T, num_q_heads, head_dim].
+    `soft_cap * tanh(score / soft_cap)` before the softmax. `sliding_window`: None (full
+    attention), an int, or a traced int32 scalar (each layer's own window inside the model's
+    scan; a full layer of a mixed model passes one larger than any context). `sinks`
+    f32[num_q_heads] (None: none): a learned logit per head joining each softmax's denominator
+    (gpt-oss). Returns [T, num_q_heads, head_dim].
     """
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"attention takes the step's AttentionMetadata whole, got {type(metadata).__name__}")
@@ -102,9 +115,10 @@ def ragged_paged_attention(q, kv_pages, metadata: AttentionMetadata, *,
         impl = resolve_impl(impl)
     if impl not in _IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not available; choose from {available_impls()}")
-    reason = _UNSUPPORTED_REASON[impl](q, kv_pages) if impl in _UNSUPPORTED_REASON else None
+    reason = (_UNSUPPORTED_REASON[impl](q, kv_pages, sliding_window, sinks) if impl in _UNSUPPORTED_REASON
+              else None)
     if reason is not None:
         _log_fallback_once(impl, reason)
         impl = "reference"
     return _IMPLS[impl](q, kv_pages, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
-                        soft_cap=soft_cap)
+                        soft_cap=soft_cap, sinks=sinks)

@@ -47,6 +47,9 @@ Two passes, as in the reference, so that no token pays for another sequence's co
 Loop bounds come from the metadata at run time (fori_loop), block sizes from the static
 shapes, so one compiled program serves every step of a shape bucket.
 
+The sliding window may be traced (a layer's window inside the model's scan), and attention
+sinks are folded in after the last block, both as in the reference.
+
 Numerics as the reference's: scores, softmax and accumulators in float32 (float64 for float64
 inputs), the output cast back to the query dtype.
 """
@@ -60,6 +63,7 @@ import jax.numpy as jnp
 
 from orca_jax.kernels import kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
+from orca_jax.kernels.reference import add_sinks
 
 # A finite "minus infinity": keeps exp(m_old - m_new) defined while a row has seen no key yet.
 _MASK_VALUE = -1e30
@@ -100,7 +104,7 @@ def _check_inputs(q, kv_pages, metadata) -> None:
                          f"kv_lens {metadata.kv_lens.shape}, cu_q_lens {metadata.cu_q_lens.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_block_tokens",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "decode_block_tokens",
                                              "q_block", "kv_block_tokens"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
@@ -109,8 +113,9 @@ def ragged_paged_attention(
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or traced i32[] (a layer's window in a scan)
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]: one more logit per head in the denominator
     decode_block_tokens: int | None = None,  # None: default_decode_block_tokens(S, page_size)
     q_block: int = 64,
     kv_block_tokens: int = 128,
@@ -138,17 +143,19 @@ def ragged_paged_attention(
     out = jnp.zeros((T + q_block, num_q_heads, head_dim), compute_dtype)
 
     num_kv_heads = two_kv_heads // 2
+    if sinks is not None:  # per KV head, as the passes lay the query heads out
+        sinks = sinks.astype(compute_dtype).reshape(num_kv_heads, num_q_heads // num_kv_heads)
     first_token = jnp.minimum(cu_q_lens[:-1], T - 1)  # each row's query, if it is a decode
     decode_out = _decode_rows(
         qs[first_token], rows, page_table, jnp.where(is_decode, kv_lens, 0), num_kv_heads=num_kv_heads,
         page_size=page_size, block_tokens=decode_block_tokens or default_decode_block_tokens(S, page_size),
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     out = out.at[jnp.where(is_decode, first_token, T + q_block)].set(decode_out, mode="drop")
 
     out = _prefill_chunks(
         jnp.pad(qs, ((0, q_block), (0, 0), (0, 0))), out, rows, page_table, kv_lens, cu_q_lens, q_lens,
         is_prefill, num_kv_heads=num_kv_heads, page_size=page_size, q_block=q_block, kv_block_tokens=kv_block_tokens,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return out[:T].astype(q.dtype)
 
 
@@ -217,7 +224,7 @@ def _normalise(acc, l):
 # --------------------------------------------------------------------------------------------
 
 def _decode_rows(q_rows, rows, page_table, lens, *, num_kv_heads, page_size, block_tokens, sliding_window,
-                 soft_cap):
+                 soft_cap, sinks):
     """One query per sequence slot against its own pages.
 
     q_rows [S, N, D] (scaled); rows: the cache as [K_h | V_h] rows; page_table i32[S, P];
@@ -261,7 +268,9 @@ def _decode_rows(q_rows, rows, page_table, lens, *, num_kv_heads, page_size, blo
     init = (jnp.full((S, num_kv_heads, group), _MASK_VALUE, dtype),
             jnp.zeros((S, num_kv_heads, group), dtype),
             jnp.zeros((S, num_kv_heads, group, 2 * head_dim), dtype))
-    _, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    m, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    if sinks is not None:
+        l, acc = add_sinks(m, l, acc, sinks)
     return _normalise(acc[..., head_dim:], l).reshape(S, num_q_heads, head_dim)
 
 
@@ -270,7 +279,7 @@ def _decode_rows(q_rows, rows, page_table, lens, *, num_kv_heads, page_size, blo
 # --------------------------------------------------------------------------------------------
 
 def _prefill_chunks(qs, out, rows, page_table, kv_lens, cu_q_lens, q_lens, is_prefill, *, num_kv_heads,
-                    page_size, q_block, kv_block_tokens, sliding_window, soft_cap):
+                    page_size, q_block, kv_block_tokens, sliding_window, soft_cap, sinks):
     """Sequences with several query tokens, one after another, `q_block` tokens at a time.
 
     qs [T + q_block, N, D] (scaled, padded by a block); out [T + q_block, N, D] with the decode
@@ -279,7 +288,8 @@ def _prefill_chunks(qs, out, rows, page_table, kv_lens, cu_q_lens, q_lens, is_pr
     pages_per_block = max(1, kv_block_tokens // page_size)
     page_table = _pad_to_blocks(page_table, pages_per_block)
     attend = functools.partial(_attend_query_block, rows=rows, num_kv_heads=num_kv_heads, page_size=page_size,
-                               pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap)
+                               pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap,
+                               sinks=sinks)
     order = jnp.nonzero(is_prefill, size=S, fill_value=0)[0]  # prefill sequences first
 
     def one_sequence(i, out):
@@ -301,7 +311,7 @@ def _prefill_chunks(qs, out, rows, page_table, kv_lens, cu_q_lens, q_lens, is_pr
 
 
 def _attend_query_block(q_rows, pages, query_pos, rows_valid, *, rows, num_kv_heads, page_size, pages_per_block,
-                        sliding_window, soft_cap):
+                        sliding_window, soft_cap, sinks):
     """R query tokens of one sequence against the KV blocks some of them can see.
 
     q_rows [R, N, D] (scaled); pages i32[padded pages]; query_pos i32[R] (cache position of
@@ -343,7 +353,9 @@ def _attend_query_block(q_rows, pages, query_pos, rows_valid, *, rows, num_kv_he
     init = (jnp.full((num_kv_heads, R * group), _MASK_VALUE, dtype),
             jnp.zeros((num_kv_heads, R * group), dtype),
             jnp.zeros((num_kv_heads, R * group, head_dim), dtype))
-    _, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    m, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    if sinks is not None:  # rows are token r // G, head r % G of each KV head
+        l, acc = add_sinks(m, l, acc, jnp.tile(sinks, (1, R)))
     out = _normalise(acc, l).reshape(num_kv_heads, R, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(R, num_q_heads, head_dim)
 

@@ -20,6 +20,25 @@ its KV range and writes a partial output with its log-sum-exp; a small XLA epilo
 slices. "auto" picks the split count from the static shapes and the GPU's core count (read
 from the device, `num_cores`): enough programs to fill the GPU.
 
+Sliding window as data. `sliding_window` is None (full attention: no window code in the
+kernel at all), an int, or a traced int32 scalar: a model with per-layer attention types runs
+its layers in one scan and passes the current layer's window as a value (a full layer of a
+mixed model passes one larger than any context, e.g. 2**30). Either way the window reaches
+the kernel as a one-element int32 input beside the metadata, so one program serves every
+window; a program still starts at the first KV block its first row's window reaches, so a
+sliding layer at long context reads only the pages the window covers, and split KV divides
+that range.
+
+Attention sinks (gpt-oss). `sinks` f32[num_q_heads] adds one logit per query head to each
+softmax's denominator, matched by no value and neither scaled nor capped:
+out = sum_i exp(s_i - m) v_i / (sum_i exp(s_i - m) + exp(sink - m)). A sink is a key
+whose value is zero, so a program's online softmax starts from it (m = sink, l = 1) rather
+than from an empty state: no epilogue, no overflow (a larger score rescales it like any key),
+and with split KV only split 0 starts from it, so the merge of the slices' log-sum-exps counts
+it exactly once. (Folding it in after the loop instead made Llama-8B's 256-decode kernel, with
+a window, spill 4 bytes on sm_90; this way its registers are the window-only kernel's.) Each
+program reads its rows' sinks as one contiguous row of f32[K, rows] (`_sinks_by_row`).
+
 Lowering: Triton, chosen explicitly through `pltriton.CompilerParams`, although jax now
 defaults Pallas on GPU to Mosaic GPU and deprecates the Triton path, because
   - Mosaic GPU targets Hopper and newer only; Triton also runs on the A100, L4 and T4 that
@@ -30,7 +49,8 @@ defaults Pallas on GPU to Mosaic GPU and deprecates the Triton path, because
 A Mosaic GPU port (warp-specialised, TMA-pipelined pages) is the follow-up for Hopper.
 
 Triton needs power-of-two block shapes, so the wrapper pads the query-head group to a power of
-two and the query axis by one block; the padded rows are computed and dropped.
+two and the query axis by one block; the padded rows are computed and dropped (padded heads'
+sinks are _MASK_VALUE, which weighs nothing).
 
 8-bit cache (kv_quant: int8 or float8_e4m3fn values, each row followed by the two bytes of its
 bfloat16 scale, so rows of head_dim + 2). A program loads a KV block's values
@@ -90,7 +110,7 @@ def num_cores(device) -> int:
     return FALLBACK_NUM_CORES
 
 
-def check_inputs(q, kv_pages, metadata: AttentionMetadata) -> None:
+def check_inputs(q, kv_pages, metadata: AttentionMetadata, *, sliding_window=None, sinks=None) -> None:
     """Shape and dtype checks that need no data (the kernel trusts the values)."""
     kv_lens, page_table, cu_q_lens, num_seqs = (
         metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
@@ -114,6 +134,13 @@ def check_inputs(q, kv_pages, metadata: AttentionMetadata) -> None:
                     ("num_seqs", num_seqs)):
         if a.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if sliding_window is not None and (jnp.shape(sliding_window) != ()
+                                       or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer)):
+        raise ValueError(f"sliding_window must be an int or an integer scalar, got {sliding_window!r}")
+    if sinks is not None and (jnp.shape(sinks) != (num_q_heads,)
+                              or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating)):
+        raise ValueError(f"sinks must be floats [{num_q_heads}] (one per query head), got "
+                         f"{jnp.shape(sinks)} {jnp.result_type(sinks)}")
 
 
 def choose_block_rows(num_tokens: int, num_seq_slots: int, head_dim: int) -> int:
@@ -172,15 +199,29 @@ def _query_blocks(cu_q_lens, num_seqs, block_q: int, num_blocks: int):
     return jnp.where(in_use, seq, -1), jnp.where(in_use, rows - first_block[seq], 0)
 
 
+def _split_refs(refs, *, windowed: bool, with_sinks: bool):
+    """The kernel's refs after the metadata: the optional window and sinks inputs (present
+    only when the call has them, so a call without them keeps its program), q, the cache,
+    the output and, when splitting KV, the log-sum-exps."""
+    refs = list(refs)
+    window_ref = refs.pop(0) if windowed else None
+    sinks_ref = refs.pop(0) if with_sinks else None
+    q_ref, kv_ref, o_ref, *lse_refs = refs
+    return window_ref, sinks_ref, q_ref, kv_ref, o_ref, lse_refs
+
+
 def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_lens_ref,  # metadata
-            q_ref, kv_ref,  # data
-            o_ref, *lse_refs,  # outputs (lse only when splitting KV)
-            sm_scale, sliding_window, soft_cap, block_q, group, pages_per_block, num_kv_splits):
+            *refs,  # [window_ref] [sinks_ref] q_ref kv_ref (data), o_ref [lse_ref] (outputs)
+            sm_scale, windowed, with_sinks, soft_cap, block_q, group, pages_per_block, num_kv_splits):
     """One program: query block `program_id(0)`, KV head `program_id(1)`, KV split `program_id(2)`.
 
+    window_ref i32[1] (when `windowed`); sinks_ref f32[num_kv_heads, rows], each row's sink
+    (when `with_sinks`);
     q_ref [T_pad, num_kv_heads, group, head_dim]; kv_ref [num_pages, page_size, 2K, head_dim]
     (head_dim + 2 when quantized); o_ref [splits, T_pad, num_kv_heads, group, head_dim];
     lse_ref [splits, T_pad, K, group]."""
+    window_ref, sinks_ref, q_ref, kv_ref, o_ref, lse_refs = _split_refs(
+        refs, windowed=windowed, with_sinks=with_sinks)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = block_seq_ref[b]
     page_size, head_dim = kv_ref.shape[1], q_ref.shape[3]
@@ -195,6 +236,7 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
         kv_len = kv_lens_ref[seq]
         first_query = block_index_ref[b] * block_q  # this block's first query, within the sequence
         q_start = q_start_seq + first_query
+        window = window_ref[0] if windowed else None
 
         # Row r is query token r // group, head r % group of this KV head's group.
         token = first_query + jnp.arange(rows, dtype=jnp.int32) // group
@@ -204,8 +246,8 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
 
         # KV blocks any row can see: causal up to the last row, the window from the first.
         first_kv_block = 0
-        if sliding_window is not None:
-            first_kv_block = jnp.maximum(kv_len - q_len + first_query - sliding_window + 1, 0) // block_kv
+        if windowed:
+            first_kv_block = jnp.maximum(kv_len - q_len + first_query - window + 1, 0) // block_kv
         end_kv_block = last_pos // block_kv + 1
         per_split = (end_kv_block - first_kv_block + num_kv_splits - 1) // num_kv_splits
         lo = first_kv_block + split * per_split
@@ -235,8 +277,8 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             visible = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None]
-            if sliding_window is not None:
-                visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            if windowed:
+                visible &= key_pos[None, :] > query_pos[:, None] - window
             s = jnp.where(visible, s, _MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
@@ -247,8 +289,10 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
             return m_new, l, acc
 
-        init = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-                jnp.zeros((rows, head_dim), jnp.float32))
+        m, l = jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+        if with_sinks:
+            m, l = _start_from_sinks(sinks_ref[h, :], split)
+        init = (m, l, jnp.zeros((rows, head_dim), jnp.float32))
         m, l, acc = jax.lax.fori_loop(lo, hi, visit, init)
 
         has_keys = l > 0
@@ -261,6 +305,16 @@ def _kernel(block_seq_ref, block_index_ref, kv_lens_ref, page_table_ref, cu_q_le
             lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
             pltriton.store(lse_refs[0].at[split, pl.ds(q_start, block_q), h, :],
                            lse.reshape(block_q, group), mask=store_rows)
+
+
+def _start_from_sinks(sinks, split):
+    """The online softmax's starting (max, normaliser) [rows] with each row's sink logit in it:
+    a sink is a key whose value is zero, so starting from m = sink, l = exp(sink - m) = 1 adds
+    it to the denominator and nothing to the output, and a later larger score rescales it as
+    any key's. Only split 0 starts from it, so that the merge counts it once."""
+    first = split == 0
+    return (jnp.where(first, sinks, jnp.full_like(sinks, _MASK_VALUE)),
+            jnp.where(first, jnp.ones_like(sinks), jnp.zeros_like(sinks)))
 
 
 def _load_quantized(kv_ref, pages, slot, head_dim, dtype):
@@ -278,7 +332,8 @@ def _load_quantized(kv_ref, pages, slot, head_dim, dtype):
 
 
 def _merge_splits(partial_out, lse):
-    """Combine per-split outputs by their log-sum-exp weights (empty splits weigh zero).
+    """Combine per-split outputs by their log-sum-exp weights (empty splits weigh zero). With
+    sinks, split 0's log-sum-exp holds them (`_start_from_sinks`), so they count once.
 
     partial_out [splits, T, K, G, D] float32; lse [splits, T, K, G]."""
     top = jnp.max(lse, axis=0)
@@ -289,8 +344,19 @@ def _merge_splits(partial_out, lse):
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
+def _sinks_by_row(sinks, num_kv_heads: int, group: int, block_q: int):
+    """sinks [num_q_heads] as f32[num_kv_heads, block_q * group]: the sink of each row of a
+    program (row r is head r % group of its KV head's group), so that a program loads its rows'
+    sinks in one contiguous load, with no reshape in the kernel. Padded heads get _MASK_VALUE,
+    which weighs nothing next to any score (their rows are dropped anyway)."""
+    real_group = sinks.shape[0] // num_kv_heads
+    grouped = sinks.astype(jnp.float32).reshape(num_kv_heads, real_group)
+    grouped = jnp.pad(grouped, ((0, 0), (0, group - real_group)), constant_values=_MASK_VALUE)
+    return jnp.tile(grouped, (1, block_q))
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "block_rows", "kv_block_tokens", "num_kv_splits",
+    "sm_scale", "soft_cap", "block_rows", "kv_block_tokens", "num_kv_splits",
     "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
@@ -299,8 +365,9 @@ def ragged_paged_attention(
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or traced i32[] (a layer's window in a scan)
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]: one more logit per head in the denominator
     block_rows: int | str = "auto",
     kv_block_tokens: int = 64,
     num_kv_splits: int | str = "auto",
@@ -311,8 +378,9 @@ def ragged_paged_attention(
     """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
     one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step;
     `num_warps` ("auto": `choose_num_warps`); `interpret=True` runs the same kernel on any
-    backend (tests on CPU)."""
-    check_inputs(q, kv_pages, metadata)
+    backend (tests on CPU). `sliding_window` and `sinks` are data: changing them compiles
+    nothing."""
+    check_inputs(q, kv_pages, metadata, sliding_window=sliding_window, sinks=sinks)
     kv_lens, page_table, cu_q_lens, num_seqs = (
         metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs)
     T, num_q_heads, head_dim = q.shape
@@ -343,13 +411,21 @@ def ragged_paged_attention(
     page_table = jnp.clip(page_table, 0, kv_pages.shape[0] - 1)
     page_table = jnp.pad(page_table, ((0, 0), (0, max_kv_blocks * pages_per_block - max_pages)))
     block_seq, block_index = _query_blocks(cu_q_lens, num_seqs, block_q, num_q_blocks)
+    # Optional inputs, present only when used (a call without them keeps its program): the
+    # window as i32[1], the sinks as f32[K, rows], each program row's own.
+    windowed, with_sinks = sliding_window is not None, sinks is not None
+    optional_inputs = []
+    if windowed:
+        optional_inputs.append(jnp.asarray(sliding_window, jnp.int32).reshape(1))
+    if with_sinks:
+        optional_inputs.append(_sinks_by_row(sinks, num_kv_heads, group, block_q))
 
     out_dtype = q.dtype if splits == 1 else jnp.float32
     out_shape = [jax.ShapeDtypeStruct((splits, T + block_q, num_kv_heads, group, head_dim), out_dtype)]
     if splits > 1:
         out_shape.append(jax.ShapeDtypeStruct((splits, T + block_q, num_kv_heads, group), jnp.float32))
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        _kernel, sm_scale=sm_scale, windowed=windowed, with_sinks=with_sinks, soft_cap=soft_cap,
         block_q=block_q, group=group, pages_per_block=pages_per_block, num_kv_splits=splits)
     outs = pl.pallas_call(
         kernel,
@@ -358,7 +434,7 @@ def ragged_paged_attention(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_seq, block_index, kv_lens, page_table, cu_q_lens, qg, kv_pages)
+    )(block_seq, block_index, kv_lens, page_table, cu_q_lens, *optional_inputs, qg, kv_pages)
 
     out = outs[0][0] if splits == 1 else _merge_splits(outs[0], outs[1])
     out = out[:T, :, :real_group].reshape(T, num_q_heads, head_dim)

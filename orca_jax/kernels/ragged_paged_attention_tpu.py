@@ -8,6 +8,8 @@ from jax's tuning table and decides when it cannot serve:
   - head_dim must be a multiple of 128 (the TPU lane width);
   - the K/V head axis must tile the TPU's (8 x packing) sublanes, which jax checks in
     `get_min_heads_per_blk`;
+  - the window must be static (a model with one attention type on every layer), and there
+    are no attention sinks: its `sliding_window` is a Python int, and it has no sink logits;
   - the cache must hold plain values: jax's kernel scales a quantized cache by one float per
     tensor (`k_scale`, `v_scale`), while our 8-bit cache (kv_quant) stores a scale per token
     and head inside each row, which it would read as values.
@@ -35,8 +37,14 @@ def _tpu_ops():
     return rpa
 
 
-def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype) -> str | None:
-    """Why jax's TPU kernel cannot take these shapes, or None when it can."""
+def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype, *,
+                       traced_window: bool = False, has_sinks: bool = False) -> str | None:
+    """Why jax's TPU kernel cannot take these shapes and options, or None when it can."""
+    if has_sinks:
+        return "jax's TPU kernel has no attention sinks (a per-head logit in the softmax denominator)"
+    if traced_window:
+        return ("the model mixes sliding and full layers, so each layer's window is traced inside the layer scan, "
+                "and jax's TPU kernel takes its sliding_window as a static int")
     if kv_quant.is_quantized(kv_dtype):
         return (f"the {jnp.dtype(kv_dtype).name} KV cache keeps a bfloat16 scale per token and head in each row "
                 "(kv_quant), which jax's TPU kernel cannot read (it takes one scale per tensor)")
@@ -75,8 +83,10 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: None = None,  # never given: `unsupported_reason` sends models with sinks to the reference
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """jax's TPU kernel, for shapes it serves (`unsupported_reason` is None)."""
+    assert sinks is None, "attention sinks go to the reference (unsupported_reason)"
     kv_pages_per_block, queries_per_block = block_sizes(q, kv_pages, metadata.page_table)
     return _tpu_ops().ragged_paged_attention(
         q, kv_pages, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs,

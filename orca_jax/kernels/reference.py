@@ -6,6 +6,12 @@ blocks with an online (flash-style) softmax, so memory stays O(T * block) whatev
 length. All tokens are processed together (vectorised over T); the block loop runs only as far
 as the longest sequence in the step, so short steps stay cheap.
 
+A sliding window may be a Python int or a traced int32 scalar (the window of the layer a scan
+is in: models that mix sliding and full layers pass each layer's window, a full layer's larger
+than any context); either way only the blocks the window covers are visited. Attention sinks
+(gpt-oss) are one more logit per head in the softmax's denominator, folded in after the last
+block (`add_sinks`).
+
 Numerics: scores, softmax and the accumulator are float32 (float64 if the inputs are float64),
 the output is cast back to the query dtype. An 8-bit cache (kv_quant) is dequantized block by
 block after the gather, exactly (value times its row's bfloat16 scale fits float32), then
@@ -46,7 +52,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, metadata: Attentio
     return flat.at[slot_mapping].set(kv, mode="promise_in_bounds").reshape(kv_pages.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_tokens"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "q_block", "kv_block_tokens"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim (+ 2 if quantized)]
@@ -54,8 +60,9 @@ def ragged_paged_attention(
     #                               cu_q_lens i32[S + 1], num_seqs i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or traced i32[] (a layer's window in a scan)
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]: one more logit per head in the denominator
     q_block: int = 32,
     kv_block_tokens: int = 64,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
@@ -79,6 +86,7 @@ def ragged_paged_attention(
     attend = functools.partial(
         _attend_one_sequence, kv_pages=kv_pages, pages_per_block=pages_per_block,
         sliding_window=sliding_window, soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.astype(compute_dtype),
     )
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -121,7 +129,7 @@ def ragged_paged_attention(
 
 
 def _attend_one_sequence(q_rows, pages, query_pos, rows_valid, *, kv_pages, pages_per_block,
-                         sliding_window, soft_cap):
+                         sliding_window, soft_cap, sinks):
     """Flash-style attention of R query rows of one sequence over its pages.
 
     q_rows [R, num_q_heads, head_dim] (already scaled); pages i32[padded max pages];
@@ -171,9 +179,21 @@ def _attend_one_sequence(q_rows, pages, query_pos, rows_valid, *, kv_pages, page
         jnp.zeros((R, num_kv_heads, group), dtype),
         jnp.zeros((R, num_kv_heads, group, head_dim), dtype),
     )
-    _, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    m, l, acc = jax.lax.fori_loop(first_block, end_block, attend_block, init)
+    if sinks is not None:
+        l, acc = add_sinks(m, l, acc, sinks.reshape(num_kv_heads, group))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1)[..., None], 0)
     return out.reshape(R, num_q_heads, head_dim)
+
+
+def add_sinks(m, l, acc, sinks):
+    """Fold attention sinks into a finished online softmax: one more logit per head in the
+    denominator, matched by no value (gpt-oss). m, l [..., heads]: running max and normaliser;
+    acc [..., heads, D]; sinks [heads] (broadcast against m's trailing axes). Returns (l, acc)
+    rescaled to the common maximum of the scores and the sink."""
+    top = jnp.maximum(m, sinks)
+    rescale = jnp.exp(m - top)
+    return l * rescale + jnp.exp(sinks - top), acc * rescale[..., None]
 
 
 def _dequantized(block):

@@ -37,7 +37,12 @@ def cache_as_float64(kv_pages) -> np.ndarray:
 
 
 def oracle_attention(q, kv_pages, metadata: AttentionMetadata, *, sm_scale, sliding_window=None,
-                     soft_cap=None):
+                     soft_cap=None, sinks=None):
+    """Attention by its definition, sequence by sequence, head by head, in float64.
+    `sinks` [num_q_heads] (None: none): one more logit per head in each softmax's denominator,
+    matched by no value (gpt-oss's attention sinks), neither scaled nor capped."""
+    sliding_window = None if sliding_window is None else int(sliding_window)
+    sinks = None if sinks is None else np.asarray(sinks, np.float64)
     kv_lens, page_table, cu_q_lens, num_seqs = (
         np.asarray(a) for a in (metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, metadata.num_seqs))
     q = np.asarray(q, np.float64)
@@ -63,8 +68,10 @@ def oracle_attention(q, kv_pages, metadata: AttentionMetadata, *, sm_scale, slid
                 scores = keys[visible, kvh] @ q[start + i, h] * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
-                w = np.exp(scores - scores.max())
-                w /= w.sum()
+                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+                w = np.exp(scores - top)
+                denominator = w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+                w /= denominator
                 out[start + i, h] = w @ values[visible, kvh]
     return out
 
@@ -217,7 +224,7 @@ def random_mix(rng: np.random.Generator, num_seqs: int, *, max_q_len: int = 48, 
     return seqs
 
 
-def assert_matches_oracle(out, case: Case, *, sm_scale, sliding_window=None, soft_cap=None,
+def assert_matches_oracle(out, case: Case, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                           tol: float) -> float:
     """Assert that an implementation's output `out` for `case` matches the float64 oracle
     within `tol` (relative and absolute), is finite, and is zero on padding tokens. Returns
@@ -228,7 +235,7 @@ def assert_matches_oracle(out, case: Case, *, sm_scale, sliding_window=None, sof
     # 8-bit cache as the values it stands for).
     expected = oracle_attention(
         np.asarray(case.q).astype(np.float64), cache_as_float64(case.kv_pages), case.metadata,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     n = case.num_real_tokens
     assert np.all(np.isfinite(out)), "NaN/inf in the output: padding was read"
     np.testing.assert_allclose(out[:n], expected[:n], rtol=tol, atol=tol)

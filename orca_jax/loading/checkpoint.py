@@ -258,8 +258,10 @@ def model_config_from_dict(fields: dict[str, Any]) -> ModelConfig:
         logger.debug("checkpoint model config: ignoring fields this orca_jax does not have: %s", dropped)
     fields = {name: value for name, value in fields.items() if name in known}
     if fields.get("rope_scaling") is not None:
-        fields["rope_scaling"] = tuple(tuple(item) for item in fields["rope_scaling"])
-    for name in ("rope_freq_factors", "eos_token_ids"):
+        scaling = {key: tuple(value) if isinstance(value, list) else value for key, value in fields["rope_scaling"]}
+        scaling.setdefault("rope_type", "llama3")  # written before other scalings existed
+        fields["rope_scaling"] = tuple(sorted(scaling.items()))
+    for name in ("rope_freq_factors", "eos_token_ids", "layer_types"):
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
     return ModelConfig(**fields)

@@ -18,6 +18,25 @@ what that converter writes for the HF family, and how to read it back:
   "qwen3moe"  Qwen3MoeForCausalLM: qwen3's attention, experts as wide as
               `expert_feed_forward_length`; llama.cpp renormalises the top-k router weights
               (norm_topk_prob True) whatever the HF config said, and so does the loader.
+  "gemma2"    Gemma2ForCausalLM: every `*norm.weight` written as 1 + w (llama.cpp's norm
+              multiplies by the weight, HF's by 1 + w), so the loader subtracts the one back;
+              the four norms of a block as attn_norm / post_attention_norm / ffn_norm (before
+              the MLP) / post_ffw_norm; `attn_logit_softcapping`, `final_logit_softcapping`,
+              `attention.sliding_window` (every other layer, as llama.cpp fixes it). No key
+              holds `query_pre_attn_scalar`: llama.cpp takes hidden / heads for the 27B
+              (46 layers) and head_dim otherwise, as the released configs have it; so does this.
+  "gemma3"    Gemma3ForCausalLM and the text tower of Gemma3ForConditionalGeneration: norms
+              (Q/K norms too) as gemma2; five sliding layers to one full (llama.cpp's fixed
+              pattern, unless the file has `attention.sliding_window_pattern`), the sliding
+              ones at RoPE base 10000 (fixed in llama.cpp too), the full ones at
+              `rope.freq_base` with the file's linear scaling; query_pre_attn_scalar as gemma2
+              (the 27B has 62 layers).
+  "phi3"      Phi3ForCausalLM (Phi-3, Phi-4-mini): fused `attn_qkv` and `ffn_up` (gate and up,
+              as in HF); partial rotary from `rope.dimension_count`; LongRoPE as the tensors
+              `rope_factors_short` / `rope_factors_long` with `rope.scaling.attn_factor` and
+              `rope.scaling.original_context_length` (the converter writes no scaling type);
+              `attention.sliding_window` 0 for none (Phi-4-mini).
+All of these use NEOX RoPE except "llama", so only its Q/K rows were permuted.
 
 Mixture-of-experts files hold each layer's router (`ffn_gate_inp`) and its experts stacked, one
 tensor per projection (`ffn_{gate,up,down}_exps`, [experts, out, in] in numpy order), as the
@@ -41,6 +60,8 @@ class GGUFArchitecture:
     # True where llama.cpp's converter reordered each Q/K head's rows into interleaved pairs for
     # its NORM RoPE; False for NEOX-RoPE architectures, whose rows are stored as in HF.
     rope_rows_permuted: bool
+    # What llama.cpp's converter added to every `*norm.weight` (Gemma's 1 + w norms: 1.0).
+    norm_offset: float = 0.0
 
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
@@ -49,7 +70,15 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3": GGUFArchitecture("qwen3", rope_rows_permuted=False),
     "qwen2moe": GGUFArchitecture("qwen2_moe", rope_rows_permuted=False),
     "qwen3moe": GGUFArchitecture("qwen3_moe", rope_rows_permuted=False),
+    "gemma2": GGUFArchitecture("gemma2", rope_rows_permuted=False, norm_offset=1.0),
+    "gemma3": GGUFArchitecture("gemma3_text", rope_rows_permuted=False, norm_offset=1.0),
+    "phi3": GGUFArchitecture("phi3", rope_rows_permuted=False),
 }
+# Layers of the releases whose query_pre_attn_scalar is hidden / heads, not head_dim (the
+# 27B Gemma 2 and Gemma 3), as llama.cpp tells them apart.
+_SCALED_BY_HIDDEN_PER_HEAD = {"gemma2": 46, "gemma3": 62}
+# The tensors that hold LongRoPE's factors, and the HF key of each.
+LONGROPE_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Whether llama.cpp renormalises an architecture's top-k router weights (its graph fixes it per
 # architecture, whatever the HF config said); Mixtral's HF parser always does.
@@ -59,8 +88,8 @@ _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 _WHY_NOT = {
     "gpt2": "llama.cpp stores GPT-2's attention as one fused attn_qkv tensor and its Conv1D weights "
             "transposed, which this loader does not read yet; load the HF checkpoint instead",
-    "mistral3": "Ministral 3 files carry YaRN RoPE and attention temperature scaling, which orca_jax "
-                "does not implement",
+    "mistral3": "Ministral 3 files scale attention by a position-dependent temperature "
+                "(llama_4_scaling), which orca_jax does not implement",
 }
 
 
@@ -80,9 +109,15 @@ def rope_rows_permuted(meta: dict[str, Any]) -> bool:
     return architecture(meta).rope_rows_permuted
 
 
-def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
+def norm_offset(meta: dict[str, Any]) -> float:
+    """What to subtract from the file's `*norm.weight` tensors to get HF's."""
+    return architecture(meta).norm_offset
+
+
+def hf_config(meta: dict[str, Any], rope_factors: dict[str, tuple] | None = None) -> dict[str, Any]:
     """GGUF metadata -> the HF `config.json` dict it stands for. Checks here only what the HF
-    parser cannot see (metadata a config.json has no key for); the rest is left to it."""
+    parser cannot see (metadata a config.json has no key for); the rest is left to it.
+    `rope_factors`: the file's LongRoPE factor tensors, by HF key (`LONGROPE_TENSORS`)."""
     arch_name = meta.get("general.architecture")
     arch = architecture(meta)
 
@@ -109,8 +144,11 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         **_rope_scaling(key),
         **_sliding_window(key),
         **_experts(key, arch_name),
+        **_gemma(key, arch_name, heads),
     }
-    _check_full_rotary(key("rope.dimension_count"), hf)
+    if rope_factors:
+        hf["rope_scaling"] = _longrope(key, rope_factors)
+    hf.update(_partial_rotary(key("rope.dimension_count"), hf))
     hf["model_type"] = arch.model_type
     if arch.model_type == "llama":
         # Experts tell a Mixtral file from a Llama one, a window a Mistral one (same architecture
@@ -121,6 +159,31 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         elif hf.get("sliding_window") is not None:
             hf["model_type"] = "mistral"
     return hf
+
+
+def _gemma(key, arch_name: str, heads) -> dict[str, Any]:
+    """Gemma's soft caps, and the score scale no key holds (module docstring)."""
+    if arch_name not in _SCALED_BY_HIDDEN_PER_HEAD:
+        return {}
+    hf = {"attn_logit_softcapping": key("attn_logit_softcapping"),
+          "final_logit_softcapping": key("final_logit_softcapping")}
+    if key("block_count") == _SCALED_BY_HIDDEN_PER_HEAD[arch_name] and heads:
+        hf["query_pre_attn_scalar"] = key("embedding_length") // heads
+    if arch_name == "gemma3" and key("attention.sliding_window_pattern") is None:
+        hf["sliding_window_pattern"] = 6
+    return hf
+
+
+def _longrope(key, rope_factors: dict[str, tuple]) -> dict[str, Any]:
+    """Phi-3's LongRoPE, which the converter writes as two factor tensors and two keys."""
+    missing = sorted(set(LONGROPE_TENSORS.values()) - set(rope_factors))
+    if missing:
+        raise ValueError(f"GGUF file has LongRoPE factors without {', '.join(missing)}")
+    scaling = {"rope_type": "longrope", **rope_factors,
+               "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+    if key("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    return scaling
 
 
 def _experts(key, arch_name: str) -> dict[str, Any]:
@@ -158,24 +221,41 @@ def _check_value_length(value_length, key_length) -> None:
         raise ValueError(f"GGUF attention.value_length {value_length} != key_length {key_length}; not supported")
 
 
-def _check_full_rotary(rope_dims, hf: dict[str, Any]) -> None:
-    """llama.cpp writes rope.dimension_count = head_dim for these families; fewer would mean
-    partial rotary embeddings, which the model does not implement."""
+def _partial_rotary(rope_dims, hf: dict[str, Any]) -> dict[str, Any]:
+    """`rope.dimension_count` (llama.cpp writes head_dim for a full rotation, fewer for a
+    partial one) as HF's `partial_rotary_factor`; nothing when it rotates every dimension."""
     if rope_dims is None or not (hf["head_dim"] or (hf["hidden_size"] and hf["num_attention_heads"])):
-        return  # nothing to compare (a file missing its sizes fails in the family parser)
+        return {}  # nothing to compare (a file missing its sizes fails in the family parser)
     head_dim = hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
-    if rope_dims != head_dim:
-        raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim} (partial RoPE); not supported")
+    if rope_dims > head_dim or rope_dims % 2:
+        raise ValueError(f"GGUF rope.dimension_count {rope_dims} does not fit head_dim {head_dim}")
+    return {} if rope_dims == head_dim else {"partial_rotary_factor": rope_dims / head_dim}
 
 
 def _rope_scaling(key) -> dict[str, Any]:
-    """`rope.scaling.type` as the HF `rope_scaling` it came from, so that the family parser
+    """`rope.scaling.*` as the HF `rope_scaling` it came from, so that the family parser
     accepts or refuses it as it would the HF config (Llama 3's scaling needs no key: the file
-    carries it as the rope_freqs tensor)."""
+    carries it as the rope_freqs tensor; LongRoPE's factors are tensors too, read by the
+    family's converter)."""
     kind = key("rope.scaling.type")
     if kind in (None, "none"):
         return {}
-    return {"rope_scaling": {"rope_type": kind, "factor": key("rope.scaling.factor")}}
+    scaling = {"rope_type": kind, "factor": key("rope.scaling.factor")}
+    if kind == "yarn":
+        for name in _YARN_KEYS_NOT_READ:
+            if key(f"rope.scaling.{name}") is not None:
+                raise ValueError(f"GGUF rope.scaling.{name} is not supported (no HF YaRN parameter is read "
+                                 f"from it); supported YaRN keys: {', '.join(_YARN_KEYS.values())}")
+        scaling.update({hf_key: key(f"rope.scaling.{gguf_key}") for hf_key, gguf_key in _YARN_KEYS.items()
+                        if key(f"rope.scaling.{gguf_key}") is not None})
+    return {"rope_scaling": scaling}
+
+
+# YaRN's HF keys and the GGUF keys llama.cpp's converter writes them under.
+_YARN_KEYS = {"original_max_position_embeddings": "original_context_length", "beta_fast": "yarn_beta_fast",
+              "beta_slow": "yarn_beta_slow"}
+# llama.cpp's own YaRN knobs, whose mapping onto HF's attention_factor is not one to one.
+_YARN_KEYS_NOT_READ = ("yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
 
 
 def _sliding_window(key) -> dict[str, Any]:

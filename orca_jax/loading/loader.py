@@ -221,6 +221,17 @@ _GGUF_BLOCK_TO_HF = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head RMSNorm
     "attn_k_norm": "self_attn.k_norm",
 }
+# Where a family's block differs from the Llama names above.
+_GGUF_BLOCK_TO_HF_BY_FAMILY = {
+    # Gemma's four norms: after attention, and before and after the MLP.
+    **dict.fromkeys(("gemma2", "gemma3_text"), {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }),
+    # Phi-3's fused projections, split by its own converter (models/phi3.py).
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 # Mixture-of-experts tensors, under the family's MoE prefix (`moe_families`: Mixtral's
 # block_sparse_moe, the Qwens' mlp). The stacked experts [E, out, in] take the names without
 # `.weight` that `moe_families.hf_to_params` reads stacked experts by (_GGUF_STACKED_EXPERTS).
@@ -256,8 +267,11 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
     meta = {name: _field_value(field) for name, field in reader.fields.items() if name not in TOKENIZER_ARRAYS}
     names = {tensor.name for tensor in reader.tensors}
+    # Tensors that are configuration (LongRoPE's factors), read before the config is made.
+    rope_factors = {gguf_arch.LONGROPE_TENSORS[t.name]: tuple(float(f) for f in np.asarray(t.data, np.float32))
+                    for t in reader.tensors if t.name in gguf_arch.LONGROPE_TENSORS}
     config = dataclasses.replace(
-        gguf_config(meta),
+        gguf_config(meta, rope_factors),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
@@ -277,7 +291,11 @@ def _load_gguf(path: Path) -> LoadedModel:
         if tensor.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in weights))
             continue
+        if tensor.name in gguf_arch.LONGROPE_TENSORS:
+            continue  # in the config already
         hf_name = gguf_to_hf_name(tensor.name, config.model_type)
+        if hf_name.endswith("norm.weight") and gguf_arch.norm_offset(meta):
+            weights = weights - np.float32(gguf_arch.norm_offset(meta))  # Gemma's 1 + w, as HF stores w
         # llama.cpp stores Q and K rows permuted for its interleaved RoPE (llama architecture,
         # Mixtral included, only; the Qwens use NEOX RoPE, stored as in HF); undo it to get the
         # rotate-half layout that transformers (and this model) use.
@@ -301,12 +319,13 @@ def _field_value(field):
         return None
 
 
-def gguf_config(meta: dict[str, Any]) -> ModelConfig:
-    """GGUF metadata -> the HF `config.json` keys it stands for (`gguf_arch.hf_config`, per
-    architecture: llama (and Mixtral), qwen2, qwen3, qwen2moe, qwen3moe) -> the family's own
-    parser (`config_from_hf`), so GGUF and HF checkpoints share one set of defaults and checks.
-    Other architectures raise ValueError."""
-    return config_from_hf(gguf_arch.hf_config(meta))
+def gguf_config(meta: dict[str, Any], rope_factors: dict[str, tuple] | None = None) -> ModelConfig:
+    """GGUF metadata (and LongRoPE's factor tensors, by HF key) -> the HF `config.json` keys it
+    stands for (`gguf_arch.hf_config`, per architecture: llama (and Mixtral), qwen2, qwen3,
+    qwen2moe, qwen3moe, gemma2, gemma3, phi3) -> the family's own parser (`config_from_hf`),
+    so GGUF and HF checkpoints share one set of defaults and checks. Other architectures raise
+    ValueError."""
+    return config_from_hf(gguf_arch.hf_config(meta, rope_factors))
 
 
 def gguf_to_hf_name(name: str, model_type: str | None = None) -> str:
@@ -322,8 +341,9 @@ def gguf_to_hf_name(name: str, model_type: str | None = None) -> str:
                          "convert_hf_to_gguf.py, or load its HF checkpoint")
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     layer, part, kind = match.groups() if match else (None, None, None)
-    if part in _GGUF_BLOCK_TO_HF:
-        return f"model.layers.{layer}.{_GGUF_BLOCK_TO_HF[part]}.{kind}"
+    block_names = {**_GGUF_BLOCK_TO_HF, **_GGUF_BLOCK_TO_HF_BY_FAMILY.get(model_type, {})}
+    if part in block_names:
+        return f"model.layers.{layer}.{block_names[part]}.{kind}"
     if part in _GGUF_MOE_BLOCK_TO_HF and model_type in HF_MOE_PREFIX:
         hf_name = f"model.layers.{layer}.{HF_MOE_PREFIX[model_type]}.{_GGUF_MOE_BLOCK_TO_HF[part]}"
         return hf_name if part in _GGUF_STACKED_EXPERTS else f"{hf_name}.{kind}"

@@ -19,8 +19,8 @@ from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.models import gpt2, llama, moe_families
-from orca_jax.models.layers import ACTIVATIONS, activation
+from orca_jax.models import gemma, gpt2, llama, moe_families, phi3
+from orca_jax.models.layers import ACTIVATIONS, activation, model_rope_tables
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _llama_family("Qwen2ForCausalLM"),  # + Q/K/V biases
     "qwen3": _llama_family("Qwen3ForCausalLM"),  # + per-head Q/K RMSNorm
     "gpt2": Architecture(gpt2.GPT2ForCausalLM, gpt2.config_from_hf, gpt2.hf_to_params, "GPT2LMHeadModel"),
+    # Gemma 2/3: Gemma's norms, GeGLU, scaled embeddings, sliding and full layers mixed; a
+    # `gemma3` (vision-language) checkpoint by its text tower.
+    **{name: Architecture(gemma.GemmaForCausalLM, gemma.config_from_hf, gemma.hf_to_params, hf_class)
+       for name, hf_class in (("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
+                              ("gemma3", "Gemma3ForConditionalGeneration"))},
+    # Phi-3 / Phi-4-mini: the Llama block with fused projections, LongRoPE, partial rotary.
+    "phi3": Architecture(llama.LlamaForCausalLM, phi3.config_from_hf, phi3.hf_to_params, "Phi3ForCausalLM"),
     # Mixtures of experts: the attention of mistral / qwen2 / qwen3, a SparseMoE layer as the MLP.
     **{name: Architecture(moe_families.MoEForCausalLM, moe_families.config_from_hf, moe_families.hf_to_params,
                           hf_class) for name, hf_class in (("mixtral", "MixtralForCausalLM"),
@@ -146,10 +153,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def check_supported(config: ModelConfig) -> ModelConfig:
-    """`config` itself, once its family and activation are known to the registries (every
-    config from outside passes here: HF, GGUF, a checkpoint's marker). Raises ValueError."""
+    """`config` itself, once its family and activation are known to the registries and its
+    RoPE tables can be built (every config from outside passes here: HF, GGUF, a checkpoint's
+    marker), so that a bad config fails at parse, naming what is wrong. Raises ValueError."""
     architecture(config.model_type)
     activation(config.hidden_act)
+    model_rope_tables(config)
     return config
 
 

@@ -9,7 +9,6 @@ per-request structure, through the kernel entry point.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -22,6 +21,7 @@ from orca_jax.distributed import parallel
 from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
+from orca_jax.models import rope
 
 
 def run_layer_stack(block: type[nn.Module], x, kv_cache, metadata: AttentionMetadata, **block_fields):
@@ -49,6 +49,45 @@ def run_layer_stack(block: type[nn.Module], x, kv_cache, metadata: AttentionMeta
     return x, flat_cache.reshape(kv_cache.shape)
 
 
+def layer_window(config: ModelConfig, layer):
+    """The attention window of layer `layer` (the scan index): None (full) or an int when all
+    layers attend alike, else a traced i32[] read from the per-layer windows, a full layer's
+    larger than any context. The windows are a constant of the program, so a model mixing
+    sliding and full layers still compiles one step program per shape."""
+    windows = config.layer_windows()
+    if not config.mixes_attention_types:
+        return windows[0]
+    full = kernels.FULL_ATTENTION_WINDOW
+    return jnp.asarray([full if w is None else w for w in windows], jnp.int32)[layer]
+
+
+def layer_rope(config: ModelConfig, layer) -> rope.RopeTables:
+    """The RoPE tables of layer `layer`: the model's, or (Gemma 3) the local base's on sliding
+    layers, picked by the scan index where the model has both."""
+    global_tables = model_rope_tables(config)
+    if config.rope_local_theta is None:
+        return global_tables
+    local_tables = model_rope_tables(config, local=True)
+    kinds = config.layer_types or ("sliding_attention" if config.sliding_window else "full_attention",)
+    if set(kinds) == {"sliding_attention"}:
+        return local_tables
+    if set(kinds) == {"full_attention"}:
+        return global_tables
+    is_sliding = jnp.asarray([kind == "sliding_attention" for kind in kinds])[layer]
+    return rope.select_tables(is_sliding, local_tables, global_tables)
+
+
+@functools.lru_cache(maxsize=32)
+def model_rope_tables(config: ModelConfig, local: bool = False) -> rope.RopeTables:
+    """The RoPE tables of a model (constants of its config, folded into the program); `local`:
+    those of Gemma 3's sliding layers, at `rope_local_theta` and without scaling."""
+    theta = config.rope_local_theta if local else config.rope_theta
+    return rope.rope_tables(config.head_dim, theta, None if local else config.rope_scaling_dict,
+                            partial_rotary_factor=config.partial_rotary_factor,
+                            max_position_embeddings=config.max_position_embeddings,
+                            freq_factors=config.rope_freq_factors)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis, whose logical name is `axes` (for the sharding rules)."""
 
@@ -64,6 +103,23 @@ class RMSNorm(nn.Module):
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Like transformers: normalise in float32, cast back, then scale in the model dtype.
         return scale * normed.astype(self.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, `(1 + w) * normed`, and the
+    whole norm runs in float32 before the cast back (Llama's scales in the model dtype)."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    axes: tuple[str] = ("embed",)
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
+                           (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -83,47 +139,6 @@ class LayerNorm(nn.Module):
         centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
         return scale * normed.astype(self.dtype) + bias
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
-                  freq_factors: tuple[float, ...] | None = None) -> np.ndarray:
-    """Inverse frequencies (float32, computed as transformers does), with llama3 scaling given
-    either as parameters (HF) or as per-frequency divisors (GGUF)."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
-    if scaling:
-        inv_freq = _llama3_scale(inv_freq, **scaling)
-    if freq_factors is not None:
-        inv_freq = (inv_freq / np.asarray(freq_factors, np.float32)).astype(np.float32)
-    return inv_freq
-
-
-def model_inv_freq(config: ModelConfig) -> np.ndarray:
-    """The RoPE frequencies of a model (a constant of its config, folded into the program)."""
-    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling_dict, config.rope_freq_factors)
-
-
-def _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
-    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
-    blend in between."""
-    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
-    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, blended, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the transformers layout) by each token's own position.
-    x [T, N, H], positions i32[T]."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 class Einsum(nn.Module):
@@ -274,10 +289,15 @@ class MLP(nn.Module):
 class PagedAttention(nn.Module):
     """GQA self-attention over the paged cache. Writes this step's K/V, then attends.
 
-    `qk_norm_eps` set: RMSNorm each query and key head before RoPE (Qwen3). `soft_cap` set:
-    attention scores are capped as `soft_cap * tanh(s / soft_cap)` (Gemma 2's
-    `attn_logit_softcapping`). Called with `rope_inv_freq` None: no RoPE, positions are
-    already in x (GPT-2's learned embedding)."""
+    `qk_norm_eps` set: `norm_cls` (RMSNorm, or Gemma's) on each query and key head before RoPE
+    (Qwen3, Gemma 3). `soft_cap` set: attention scores are capped as
+    `soft_cap * tanh(s / soft_cap)` (Gemma 2's `attn_logit_softcapping`). `sm_scale` None: scores
+    scaled by head_dim ** -0.5. `use_sinks`: a learned logit per query head ("sinks") joins each
+    softmax's denominator (gpt-oss).
+
+    Called with the layer's RoPE tables (None: no RoPE, positions are already in x, GPT-2's
+    learned embedding) and its window: None (full), an int, or traced (the layer scan's window
+    of a model that mixes sliding and full layers)."""
 
     num_heads: int
     num_kv_heads: int
@@ -285,18 +305,21 @@ class PagedAttention(nn.Module):
     hidden_size: int
     qkv_bias: bool = False
     o_bias: bool = False
-    sliding_window: int | None = None
     soft_cap: float | None = None
     attention_impl: str = "reference"
     dtype: Any = jnp.float32
     qk_norm_eps: float | None = None
+    norm_cls: Any = None  # the Q/K norm's class; None: RMSNorm
+    sm_scale: float | None = None
+    use_sinks: bool = False
     # A device mesh (tensor parallelism): the cache write and attention then run per shard,
     # on each device's own heads. None: one device, the kernels called directly.
     mesh: Any = None
     quantization: str | None = None  # of the four projections (orca_jax.kernels.quantization)
 
     @nn.compact
-    def __call__(self, x, kv_pages, metadata: AttentionMetadata, rope_inv_freq: np.ndarray | None):
+    def __call__(self, x, kv_pages, metadata: AttentionMetadata, rope_tables: rope.RopeTables | None,
+                 window=None):
         """x [T, D]; kv_pages [pages, page_size, 2K, H] (this layer's, via metadata.for_layer)."""
         D, N, K, H, qz = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.quantization
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
@@ -304,24 +327,34 @@ class PagedAttention(nn.Module):
         k = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, qz, name="k_proj")(x)
         v = Einsum("TD,DKH->TKH", (D, K, H), kv_axes, self.qkv_bias, self.dtype, qz, name="v_proj")(x)
         if self.qk_norm_eps is not None:
-            q = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="q_norm")(q)
-            k = RMSNorm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="k_norm")(k)
-        if rope_inv_freq is not None:
-            q = apply_rope(q, metadata.positions, rope_inv_freq)
-            k = apply_rope(k, metadata.positions, rope_inv_freq)
-        attend = self._attend if self.mesh is None else parallel.per_shard_attention(self.mesh, self._attend)
-        out, kv_pages = attend(q, k, v, kv_pages, metadata)
+            norm = self.norm_cls or RMSNorm
+            q = norm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="q_norm")(q)
+            k = norm(self.qk_norm_eps, self.dtype, axes=("head_dim",), name="k_norm")(k)
+        if rope_tables is not None:
+            q = rope.apply_rope(q, metadata.positions, rope_tables)
+            k = rope.apply_rope(k, metadata.positions, rope_tables)
+        sinks = None
+        if self.use_sinks:
+            sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (N,),
+                               self.dtype)
+        # A static window stays static (it is part of the program, and jax's TPU kernel takes only
+        # that); a traced one travels as data, through the shards too.
+        traced_window = window if isinstance(window, jax.Array) else None
+        attend = functools.partial(self._attend, static_window=None if traced_window is not None else window)
+        if self.mesh is not None:
+            attend = parallel.per_shard_attention(self.mesh, attend)
+        out, kv_pages = attend(q, k, v, kv_pages, metadata, traced_window, sinks)
         o_axes = ("heads", "head_dim", "embed")
         out = Einsum("TNH,NHD->TD", (N, H, D), o_axes, self.o_bias, self.dtype, qz, name="o_proj")(out)
         return out, kv_pages
 
     @nn.nowrap
-    def _attend(self, q, k, v, kv_pages, metadata: AttentionMetadata):
-        """Write this step's K/V into the cache, then attend; on one device's heads when
-        sharded (the head counts come from the arrays, not the module)."""
+    def _attend(self, q, k, v, kv_pages, metadata: AttentionMetadata, traced_window, sinks, *, static_window):
+        """Write this step's K/V into the cache, then attend; on one device's heads (and their
+        sinks) when sharded (the head counts come from the arrays, not the module)."""
         kv_pages = kernels.write_kv(kv_pages, k, v, metadata)
         out = kernels.ragged_paged_attention(
-            q, kv_pages, metadata, sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap, impl=self.attention_impl,
+            q, kv_pages, metadata, sm_scale=self.sm_scale or self.head_dim ** -0.5, sliding_window=static_window if traced_window is None else traced_window,
+            soft_cap=self.soft_cap, sinks=sinks, impl=self.attention_impl,
         )
         return out, kv_pages

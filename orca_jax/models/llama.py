@@ -24,8 +24,8 @@ from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.models.layers import (GatedMLP, PagedAttention, RMSNorm, embedding_table, model_inv_freq, quantized_kernel,
-                                    run_layer_stack)
+from orca_jax.models.layers import (GatedMLP, PagedAttention, RMSNorm, embedding_table, layer_rope, layer_window,
+                                    quantized_kernel, run_layer_stack)
 
 
 class DecoderBlock(nn.Module):
@@ -40,18 +40,25 @@ class DecoderBlock(nn.Module):
     def __call__(self, carry, layer, metadata: AttentionMetadata):
         x, kv_pages = carry
         layer_metadata = metadata.for_layer(layer, self.pages_per_layer, self.page_size)
-        inv_freq = model_inv_freq(self.config) if self.uses_rope else None
-        norm = self.norm_cls
-        attn_out, kv_pages = self.make_attention()(norm(self.config.rms_norm_eps, self.dtype, name="input_norm")(x),
-                                                   kv_pages, layer_metadata, inv_freq)
+        attn_out, kv_pages = self.attention(self.make_norm("input_norm")(x), kv_pages, layer_metadata, layer)
         h = x + attn_out
-        out = h + self.feed_forward(norm(self.config.rms_norm_eps, self.dtype, name="post_attention_norm")(h),
-                                    metadata)
+        out = h + self.feed_forward(self.make_norm("post_attention_norm")(h), metadata)
         return (out, kv_pages), None
 
     # What a family may swap (GPT-2 does): the norm, the MLP, RoPE.
     norm_cls: ClassVar[type[nn.Module]] = RMSNorm
     uses_rope: ClassVar[bool] = True
+
+    @nn.nowrap
+    def make_norm(self, name: str) -> nn.Module:
+        return self.norm_cls(self.config.rms_norm_eps, self.dtype, name=name)
+
+    @nn.nowrap
+    def attention(self, x, kv_pages, layer_metadata: AttentionMetadata, layer):
+        """This layer's attention, with its own window and RoPE (picked by the scan index
+        `layer` where the model's layers differ; constants of the program where they do not)."""
+        rope_tables = layer_rope(self.config, layer) if self.uses_rope else None
+        return self.make_attention()(x, kv_pages, layer_metadata, rope_tables, layer_window(self.config, layer))
 
     @nn.nowrap
     def feed_forward(self, x, metadata: AttentionMetadata):
@@ -72,9 +79,9 @@ class DecoderBlock(nn.Module):
         return PagedAttention(
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             hidden_size=c.hidden_size, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            sliding_window=c.sliding_window, soft_cap=c.attn_logit_softcapping, attention_impl=self.attention_impl,
-            dtype=self.dtype, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, mesh=self.mesh,
-            quantization=c.quantization, name="attn",
+            soft_cap=c.attn_logit_softcapping, attention_impl=self.attention_impl, dtype=self.dtype,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, norm_cls=self.norm_cls, sm_scale=c.sm_scale,
+            use_sinks=c.attention_sinks, mesh=self.mesh, quantization=c.quantization, name="attn",
         )
 
 
@@ -129,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             head = self.lm_head(c)
             logits = quantization.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
+        if c.final_logit_softcapping is not None:
+            cap = c.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
         if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
             logits = parallel.gather_logits(self.mesh, logits)
         return logits, kv_cache
@@ -187,6 +197,7 @@ def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     hidden = cfg["hidden_size"]
     rope_theta, rope_scaling = hf_config.rope_from_hf(cfg)
     attention_bias = cfg.get("attention_bias", False)  # Llama, Qwen3: biases on all four projections
+    sliding_window, layer_types = hf_config.attention_layers_from_hf(cfg)
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
@@ -206,7 +217,9 @@ def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
         mlp_bias=cfg.get("mlp_bias", False),
         qk_norm=model_type == "qwen3",
         hidden_act=cfg.get("hidden_act", "silu"),
-        sliding_window=hf_config.sliding_window_from_hf(cfg),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        partial_rotary_factor=hf_config.partial_rotary_factor_from_hf(cfg),
         eos_token_ids=hf_config.eos_token_ids(cfg),
         model_type=model_type,
     )

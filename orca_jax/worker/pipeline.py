@@ -303,7 +303,7 @@ class PipelineRunner(RunnerBase):
                     attention_impl: str, placed: dict) -> Stage:
         first, last = s == 0, s == num_stages - 1
         mesh = stage_mesh(self.mesh, s)
-        stage_config = dataclasses.replace(stored, num_layers=len(layers))
+        stage_config = stored.for_layers(layers)
         model = architecture(model_config.model_type).model_class(stage_config, attention_impl, self.dtype, mesh=mesh)
         return Stage(s, layers, mesh, stage_config, model, placed, first, last)
 

@@ -47,7 +47,20 @@ def llama_int8_runs(tiny_llama_factory, run_parallel_worker) -> dict:
     return run_parallel_worker("tp", str(model), "1,2", "int8")
 
 
-@pytest.fixture(params=["llama", "gpt2", "llama_int8"])
+# Gemma 2: sliding (window 8 < the 19-token prompt) and full layers mixed, each layer's window
+# passed to the per-shard attention as data; soft caps, sandwich norms, tied scaled embedding.
+# One device matches HF within 1e-4 (tests/models/test_gemma_phi3.py), so TP 2 within 1e-5 of it
+# does too.
+@pytest.fixture(scope="module")
+def gemma2_runs(tiny_hf_model_factory, run_parallel_worker) -> dict:
+    model = tiny_hf_model_factory("Gemma2Config", seed=5, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                  max_position_embeddings=256, initializer_range=0.1)
+    return run_parallel_worker("tp", str(model), "1,2")
+
+
+@pytest.fixture(params=["llama", "gpt2", "llama_int8", "gemma2"])
 def runs(request) -> dict:
     return request.getfixturevalue(f"{request.param}_runs")
 

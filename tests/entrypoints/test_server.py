@@ -324,6 +324,27 @@ def test_bad_input_is_a_400_naming_the_field(live, path, body, status, param):
         assert param.split(".")[0] in error["message"]
 
 
+# Gemma 2's template as google/gemma-2-*-it ships it (abridged to its checks and turns): it
+# refuses a system message with the template's own exception.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def test_a_template_refusing_the_messages_is_a_400_with_its_own_message(live, monkeypatch):
+    monkeypatch.setattr(live.engine.tokenizer, "chat_template", GEMMA2_TEMPLATE)
+    refused = live.post("/v1/chat/completions", chat(messages=[{"role": "system", "content": "Be brief."}, *CHAT]))
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and "System role not supported" in error["message"]
+    served = live.post("/v1/chat/completions", chat(messages=CHAT, max_tokens=2))
+    assert served.status_code == 200, served.text
+
+
 def test_server_is_healthy_after_bad_input(live):
     for _, path, body, _, _ in BAD_REQUESTS:
         live.post(path, body)

@@ -35,10 +35,43 @@ def run_kernel(case, **kw):
     return gpu.ragged_paged_attention(case.q, case.kv_pages, case.metadata, interpret=True, **kw)
 
 
-def check(case, *, sm_scale, sliding_window=None, soft_cap=None, tol, **kernel_kw):
-    out = run_kernel(case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **kernel_kw)
+def check(case, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None, tol, **kernel_kw):
+    out = run_kernel(case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                     **kernel_kw)
     return assert_matches_oracle(out, case, sm_scale=sm_scale, sliding_window=sliding_window,
-                                 soft_cap=soft_cap, tol=tol)
+                                 soft_cap=soft_cap, sinks=sinks, tol=tol)
+
+
+def traced_window_kernel(**kernel_kw):
+    """The kernel under jit with the window as an argument: a traced int32 scalar, as a model's
+    layer scan passes each layer's window. Returns (fn(case, window), count of its traces)."""
+    traces = []
+
+    @jax.jit
+    def attention(q, kv_pages, metadata, window):
+        traces.append(window)
+        return gpu.ragged_paged_attention(q, kv_pages, metadata, sliding_window=window, interpret=True,
+                                          **kernel_kw)
+
+    return (lambda case, window: attention(case.q, case.kv_pages, case.metadata, jnp.int32(window))), traces
+
+
+def draw_sinks(seed, num_q_heads):
+    """Sinks about as large as the top scores (scores of unit q and k at sm_scale 1/sqrt(D)
+    are about N(0, 1)), so that each takes a visible share of its head's softmax."""
+    return np.random.default_rng(seed).uniform(-2.0, 4.0, num_q_heads).astype(np.float32)
+
+
+def poison_before_window(case, seqs, *, window, page_size, block_kv):
+    """NaN in the values of every KV block that lies wholly before each sequence's window (its
+    first query's): a kernel that reads one shows NaN, masked or not (0 * NaN in P @ V)."""
+    kv_pages = np.array(case.kv_pages)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        unseen = max(kv_len - q_len - window + 1, 0) // block_kv * block_kv
+        for pos in range(unseen):
+            kv_pages[case.metadata.page_table[s, pos // page_size], pos % page_size, 1::2] = np.nan
+    case.kv_pages = kv_pages
+    return case
 
 
 @pytest.mark.parametrize("seed,ratio,num_kv_heads,head_dim,page_size,mix,window,cap",
@@ -85,6 +118,76 @@ def test_split_kv_matches_unsplit(splits):
     case = make_case(31, seqs, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     check(case, sm_scale=0.125, tol=TOLERANCES["float32"], num_kv_splits=splits)
     check(case, sm_scale=0.125, sliding_window=150, tol=TOLERANCES["float32"], num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("dtype,mix,ratio,num_kv_heads,splits,window,cap", [
+    ("float32", "mixed", 3, 2, 1, None, None),  # group 3 padded to 4: a padded head's sink
+    ("float32", "chunked", 4, 1, 4, None, None),  # split KV: the sink counts once in the merge
+    ("float32", "mixed", 8, 1, 3, 40, 5.0),  # with the window, and a cap the sink escapes
+    ("bfloat16", "mixed", 4, 2, 1, None, None),
+    ("bfloat16", "chunked", 3, 2, 3, None, 20.0),
+])
+def test_sinks_join_each_softmax_once(dtype, mix, ratio, num_kv_heads, splits, window, cap):
+    """gpt-oss's attention sinks: one logit per query head in each softmax's denominator,
+    neither scaled nor capped, added once whether or not the KV range is split."""
+    num_q_heads = ratio * num_kv_heads
+    case = make_case(61, MIXES[mix], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                     page_size=16, dtype=jnp.dtype(dtype), q_scale=3.0 if cap else 1.0)
+    check(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, sinks=draw_sinks(62, num_q_heads),
+          tol=TOLERANCES[dtype], num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_traced_window_is_data(splits):
+    """A window passed as a traced int32 (each layer's own in a scan) masks as the same window
+    given as an int, and a second window reuses the program: the window is an input, not a
+    compile-time constant."""
+    case = make_case(71, MIXES["chunked"], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    attention, traces = traced_window_kernel(sm_scale=0.125, num_kv_splits=splits)
+    for window in (24, 100):
+        assert_matches_oracle(attention(case, window), case, sm_scale=0.125, sliding_window=window,
+                              tol=TOLERANCES["float32"])
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_full_layer_window_is_no_window(splits):
+    """A full-attention layer of a mixed model passes a window larger than any context (2**30):
+    the same answer as no window at all, with no int32 overflow in the window's arithmetic."""
+    case = make_case(81, MIXES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    attention, _ = traced_window_kernel(sm_scale=0.125, num_kv_splits=splits)
+    out = attention(case, 2 ** 30)
+    assert_matches_oracle(out, case, sm_scale=0.125, tol=TOLERANCES["float32"])
+    no_window = run_kernel(case, sm_scale=0.125, num_kv_splits=splits)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(no_window))
+
+
+@pytest.mark.parametrize("splits,with_sinks", [("auto", False), (3, True)])
+def test_traced_window_reads_only_the_blocks_it_covers(splits, with_sinks):
+    """A sliding layer at long context: every KV block before the window is NaN, so a program
+    that read one (0 * NaN in P @ V) would show NaN. The KV range of each program, and each of
+    its splits, starts at the window."""
+    window, page_size, kv_block_tokens = 100, 16, 64
+    seqs = [(1, 1500), (8, 1200), (1, 40), (3, 700)]
+    case = make_case(91, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size)
+    case = poison_before_window(case, seqs, window=window, page_size=page_size, block_kv=kv_block_tokens)
+    sinks = draw_sinks(92, 4) if with_sinks else None
+    attention, _ = traced_window_kernel(sm_scale=0.125, sinks=sinks, num_kv_splits=splits,
+                                        kv_block_tokens=kv_block_tokens)
+    assert_matches_oracle(attention(case, window), case, sm_scale=0.125, sliding_window=window, sinks=sinks,
+                          tol=TOLERANCES["float32"])
+    # The poison is there to be read: a full layer reads it.
+    assert np.isnan(np.asarray(attention(case, 2 ** 30))[:1]).all()
+
+
+def test_rejects_malformed_window_and_sinks():
+    case = make_case(5, MIXES["decode"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        run_kernel(case, sm_scale=0.125, sliding_window=jnp.array([8, 8], jnp.int32))
+    with pytest.raises(ValueError, match="sliding_window"):
+        run_kernel(case, sm_scale=0.125, sliding_window=8.0)
+    with pytest.raises(ValueError, match="sinks"):
+        run_kernel(case, sm_scale=0.125, sinks=np.zeros(2, np.float32))  # one per KV head, not per query head
 
 
 def test_block_shapes_do_not_change_the_answer():
@@ -153,21 +256,32 @@ def test_block_rows_follow_the_step_shape():
     assert gpu.choose_block_rows(num_tokens=512, num_seq_slots=32, head_dim=256) == 32  # registers
 
 
-@pytest.mark.parametrize("dtype,group,head_dim,page_size,window,cap,splits", [
-    (jnp.bfloat16, 4, 128, 16, None, None, 1),
-    (jnp.float32, 3, 64, 8, 32, 5.0, 4),
+@pytest.mark.parametrize("dtype,group,head_dim,page_size,window,cap,sinks,splits", [
+    (jnp.bfloat16, 4, 128, 16, None, None, False, 1),
+    (jnp.float32, 3, 64, 8, 32, 5.0, False, 4),
+    (jnp.bfloat16, 4, 128, 16, "traced", None, True, 1),  # sinks start every softmax
+    (jnp.bfloat16, 3, 64, 16, "traced", 30.0, True, 4),  # sinks start split 0's, then the merge
 ])
-def test_lowers_to_triton_for_cuda(dtype, group, head_dim, page_size, window, cap, splits):
+def test_lowers_to_triton_for_cuda(dtype, group, head_dim, page_size, window, cap, sinks, splits):
     """Cross-lower for CUDA from this CPU: every operation of the kernel has a Triton lowering
-    and the step holds exactly one Triton kernel (the split merge is plain XLA)."""
+    and the step holds exactly one Triton kernel (the split merge is plain XLA). A traced
+    window and the sinks are arguments of the step, as a layer scan passes them."""
     T, S, max_pages = 64, 8, 16
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     metadata = AttentionMetadata(positions=i32((T,)), slot_mapping=i32((T,)), page_table=i32((S, max_pages)),
                                  kv_lens=i32((S,)), cu_q_lens=i32((S + 1,)), num_seqs=i32((1,)))
+    traced = {}
+    if window == "traced":
+        traced["sliding_window"] = jax.ShapeDtypeStruct((), jnp.int32)
+    if sinks:
+        traced["sinks"] = jax.ShapeDtypeStruct((2 * group,), jnp.float32)
     args = (jax.ShapeDtypeStruct((T, 2 * group, head_dim), dtype),
-            jax.ShapeDtypeStruct((100, page_size, 4, head_dim), dtype), metadata)
-    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sliding_window=window,
-                                   soft_cap=cap, num_kv_splits=splits))
+            jax.ShapeDtypeStruct((100, page_size, 4, head_dim), dtype), metadata, traced)
+    static = dict(sm_scale=0.1, soft_cap=cap, num_kv_splits=splits)
+    if window != "traced":
+        static["sliding_window"] = window
+    fn = jax.jit(lambda q, kv_pages, metadata, traced: gpu.ragged_paged_attention(
+        q, kv_pages, metadata, **static, **traced))
     triton = "__gpu$xla.gpu.triton"
     with jax.sharding.use_abstract_mesh(abstract_gpu_mesh()):  # jax >= 0.11 asks which GPU
         exported = jax.export.export(fn, platforms=["cuda"],

@@ -10,7 +10,8 @@ not spill. float32 compiles to plain FMA code that does spill (see the table pri
 `python -m orca_jax.kernels.triton_compile`); here it must only compile and fit. The 8-bit
 caches (int8, float8_e4m3fn; kernels/kv_quant.py) with bfloat16 queries must not spill either,
 on the A100 too, where Triton has no float8 conversion (the kernel decodes float8 bits with
-integer operations, so its Triton IR holds no float8 arithmetic).
+integer operations, so its Triton IR holds no float8 arithmetic). Nor may a sliding window
+given as data with attention sinks (gpt-oss's options).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu
@@ -100,6 +102,31 @@ def test_8bit_cache_serving_shapes_do_not_spill(step, kv_dtype, capability):
     report = tc.compile_for_nvidia(kernel, capability)
     print(f"llama-8b {step} bfloat16 q, {kv_dtype} cache: {report}")
     assert not report.spills, f"{step} with a {kv_dtype} cache spills registers on {report.arch}: {report}"
+    assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
+    rows = 16 if step.startswith("decode") else 64
+    assert report.matmul == ("wgmma" if capability == 90 and rows == 64 else "mma.sync")
+
+
+@functools.lru_cache(maxsize=None)
+def lowered_with_window_and_sinks(step: str) -> tc.TritonKernel:
+    """Llama-8B's heads with gpt-oss's attention options: a window (an int, which reaches the
+    kernel as data, as a layer scan's traced window does) and a sink per query head."""
+    shape = SHAPES["llama-8b"]
+    num_tokens, num_seq_slots = tc.serving_steps(shape)[step]
+    return tc.attention_kernel(shape, num_tokens, num_seq_slots, jnp.bfloat16, sliding_window=128,
+                               sinks=np.zeros(shape.num_q_heads, np.float32))
+
+
+@pytest.mark.parametrize("capability", tc.SERVING_CAPABILITIES, ids=lambda c: f"sm{c}")
+@pytest.mark.parametrize("step", ["decode-256", "prefill-4096"])
+def test_window_and_sinks_do_not_spill(step, capability):
+    """The window's load and mask and the sinks' start of the online softmax cost no spills at
+    the serving shapes (a sink folded in after the loop did: 4 bytes at decode-256 on sm_90)."""
+    kernel = lowered_with_window_and_sinks(step)
+    assert kernel.ttir.count("tt.dot") == 2
+    report = tc.compile_for_nvidia(kernel, capability)
+    print(f"llama-8b {step} bfloat16, window and sinks: {report}")
+    assert not report.spills, f"{step} with window and sinks spills registers on {report.arch}: {report}"
     assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
     rows = 16 if step.startswith("decode") else 64
     assert report.matmul == ("wgmma" if capability == 90 and rows == 64 else "mma.sync")

@@ -18,6 +18,7 @@ quantization="gguf", whose blocks (with Q4_1's nonzero offsets) are dequantized 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -28,6 +29,7 @@ import torch
 
 from orca_jax.kernels import quantization
 from orca_jax.models import config_from_hf
+from orca_jax.models.layers import model_rope_tables
 from orca_jax.loading import gguf_arch
 from orca_jax.loading.gguf_tokenizer import build_tokenizer
 from orca_jax.models.llama import LlamaForCausalLM
@@ -58,9 +60,34 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   max_position_embeddings=256, initializer_range=0.1), False, "qwen3"),
+    # Gemma 2 as llama.cpp reads it: alternating windows, both soft caps, 1 + w norms,
+    # query_pre_attn_scalar = head_dim (every release but the 27B; gguf_arch.py).
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=16, sliding_window=MISTRAL_WINDOW,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    max_position_embeddings=256, initializer_range=0.1), False, "gemma2"),
+    # Gemma 3: llama.cpp's fixed 5 sliding : 1 full at local base 10000, Q/K norms, linear
+    # scaling on the full layer.
+    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             query_pre_attn_scalar=16, sliding_window=MISTRAL_WINDOW,
+                                             sliding_window_pattern=6, rope_local_base_freq=10000.0,
+                                             rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                             max_position_embeddings=256, initializer_range=0.1), False, "gemma3"),
+    # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, LongRoPE (factors as tensors), a
+    # window on every layer.
+    "phi3": ("Phi3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=256, sliding_window=MISTRAL_WINDOW,
+                                partial_rotary_factor=0.5, original_max_position_embeddings=64, pad_token_id=0,
+                                rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                              "long_factor": [1.0, 2.0, 4.0, 8.0]},
+                                initializer_range=0.1), False, "phi3"),
 }
-# Every F32 file, and the one Q8_0 file (which the engine runs).
-FILES = [(name, "F32") for name in FAMILIES] + [("qwen2", "Q8_0")]
+# Families whose norms llama.cpp's converter stores as 1 + w (gguf_arch.norm_offset).
+NORM_OFFSET = {"gemma2": 1.0, "gemma3": 1.0}
+# Every F32 file, and the Q8_0 files (qwen2's the engine runs; the new architectures' run a prefill).
+FILES = [(name, "F32") for name in FAMILIES] + [("qwen2", "Q8_0"), ("gemma3_text", "Q8_0"), ("phi3", "Q8_0")]
 # The file run with quantization="gguf" (blocks kept, dequantized inside the step): qwen2 (its
 # embedding is also its head) with llama.cpp's three block types, each on two or more matrices.
 # Q4_1 blocks carry an offset (their minimum), so the embedding's and three layers' offsets are
@@ -112,7 +139,9 @@ def _write_metadata(writer, config, arch: str, qtype) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3's by layer type: the base of the global layers
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = config.to_dict().get("head_dim")
     if head_dim is not None:
@@ -124,6 +153,31 @@ def _write_metadata(writer, config, arch: str, qtype) -> None:
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.head_dim)
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":  # Gemma3Model: the window, the global layers' linear scaling (TextModel)
+        writer.add_sliding_window(config.sliding_window)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":  # Phi3MiniModel: rotary dimensions, the original context, window 0 for none
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size)
+                                        // config.num_attention_heads)
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+        scale = config.max_position_embeddings / config.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+            config.original_max_position_embeddings)) if scale > 1.0 else 1.0)
+
+
+def _write_extra_tensors(writer, config, arch: str) -> None:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as float32 tensors."""
+    rope = config.rope_parameters
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
 
 def _write_tokenizer(writer, tokenizer: dict) -> None:
@@ -157,6 +211,8 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str | di
     if window is not None:
         writer.add_sliding_window(window)
     _write_tokenizer(writer, tokenizer)
+    _write_extra_tensors(writer, config, arch)
+    norm_offset = NORM_OFFSET.get(arch, 0.0)
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config.num_hidden_layers)
     stored = {}
     for name, tensor in hf_model.state_dict().items():
@@ -167,6 +223,8 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str | di
         permuted = arch == "llama" and heads is not None
         if permuted:
             w = permute_rope_rows(w, heads)
+        offset = norm_offset if name.endswith("norm.weight") else 0.0
+        w = w + np.float32(offset)  # Gemma's 1 + w (a no-op elsewhere)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         kind = tensor_type(qtype, name, w)
@@ -177,6 +235,7 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer: dict, qtype: str | di
             w = gguf.quants.dequantize(quantized, ggml_type)
         else:
             writer.add_tensor(gguf_name, w)
+        w = w - np.float32(offset)  # back to HF's meaning, as the loader reads it
         stored[name] = inverse_permute_rope_rows(w, heads) if permuted else w
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -308,22 +367,25 @@ def model_logits_at_every_position(loaded, prompts: list[list[int]]) -> list[np.
     return [logits[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
 
 
+def max_logit_diff_to_hf(path: Path, hf_model, seed: int) -> tuple:
+    """(the loaded file, max |logit difference| to `hf_model` over every position of a few
+    ragged prompts in one prefill)."""
+    loaded = load_model(path)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+    diff = 0.0
+    for prompt, ours in zip(prompts, model_logits_at_every_position(loaded, prompts)):
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0].numpy()
+        diff = max(diff, float(np.abs(ours - reference).max()))
+    return loaded, diff
+
+
 @pytest.fixture(scope="module")
 def forward_results(hf_dirs, gguf_files):
-    """family -> (loaded model, max |logit difference| to HF over every position of every prompt)."""
-    results = {}
-    for i, name in enumerate(FAMILIES):
-        loaded = load_model(gguf_files[name, "F32"][0])
-        rng = np.random.default_rng(i)
-        prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
-        hf = _hf_model(hf_dirs[name])
-        diff = 0.0
-        for prompt, ours in zip(prompts, model_logits_at_every_position(loaded, prompts)):
-            with torch.no_grad():
-                reference = hf(torch.tensor([prompt])).logits[0].numpy()
-            diff = max(diff, float(np.abs(ours - reference).max()))
-        results[name] = loaded, diff
-    return results
+    """family -> (loaded F32 file, max |logit difference| to HF holding the file's weights)."""
+    return {name: max_logit_diff_to_hf(gguf_files[name, "F32"][0], hf_holding(hf_dirs[name], gguf_files[name, "F32"][1]), i)
+            for i, name in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="module")
@@ -365,21 +427,41 @@ def as_gguf_quantization_holds_them(stored: dict[str, np.ndarray]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_f32_file_loads_to_the_hf_weights(hf_dirs, gguf_files, name):
-    """Exact: no rows left permuted (llama, mistral) and none wrongly unpermuted (qwen2, qwen3)."""
-    loaded = load_model(gguf_files[name, "F32"][0])
+    """Exact: no rows left permuted (llama, mistral) and none wrongly unpermuted (qwen2, qwen3
+    and the rest), Phi-3's fused projections split where HF's converter splits them. Gemma's
+    norms are stored as 1 + w, which float32 rounds: those load to (1 + w) - 1 (the subtraction
+    exact), within half an ulp of 1 + w of HF's w, and exactly to what the file holds; every
+    other weight is HF's own bit for bit."""
+    path, stored = gguf_files[name, "F32"]
+    loaded = load_model(path)
     hf = _hf_model(hf_dirs[name])
     expected_config = config_from_hf(json.loads((hf_dirs[name] / "config.json").read_text()))
     state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    expected = hf_to_params(state, expected_config)
+    for key, held in stored.items():
+        if FAMILIES[name][3] in NORM_OFFSET and key.endswith("norm.weight"):
+            rounding = np.spacing(np.float32(1) + np.abs(state[key])) / 2  # of the stored 1 + w
+            assert np.all(np.abs(held - state[key]) <= rounding), key
+        else:
+            np.testing.assert_array_equal(held, state[key], err_msg=key)
+    expected = hf_to_params({**state, **stored}, expected_config)
     assert jax.tree.structure(loaded.params) == jax.tree.structure(expected)
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(loaded.params), jax.tree.leaves(expected)):
-        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+    for (leaf, got), want in zip(jax.tree_util.tree_leaves_with_path(loaded.params), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(leaf))
     c = loaded.config
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
-                  "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window", "hidden_act"):
+                  "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window", "hidden_act", "layer_types",
+                  "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping",
+                  "query_pre_attn_scalar", "rope_local_theta"):
         assert getattr(c, field) == getattr(expected_config, field), field
     assert c.rms_norm_eps == pytest.approx(expected_config.rms_norm_eps)
+    # RoPE as tables: LongRoPE's factors come back through float32 tensors.
+    for local in ((False, True) if c.rope_local_theta is not None else (False,)):
+        got, want = model_rope_tables(c, local), model_rope_tables(expected_config, local)
+        np.testing.assert_allclose(got.inv_freq, want.inv_freq, rtol=1e-6)
+        assert got.attention_factor == pytest.approx(want.attention_factor, rel=1e-6)
+        assert (got.long_inv_freq is None) == (want.long_inv_freq is None)
+        assert got.long_from_position == want.long_from_position
 
 
 def test_the_switches_each_family_needs(gguf_files):
@@ -388,6 +470,12 @@ def test_the_switches_each_family_needs(gguf_files):
     assert (configs["mistral"].model_type, configs["mistral"].sliding_window) == ("mistral", MISTRAL_WINDOW)
     assert configs["qwen2"].qkv_bias and not configs["qwen2"].o_bias and configs["qwen2"].tie_word_embeddings
     assert configs["qwen3"].qk_norm and configs["qwen3"].head_dim == 32 and not configs["qwen3"].qkv_bias
+    w = MISTRAL_WINDOW
+    assert configs["gemma2"].layer_windows() == (w, None) and configs["gemma2"].attn_logit_softcapping == 5.0
+    assert configs["gemma3_text"].layer_windows() == (w,) * 5 + (None,) and configs["gemma3_text"].qk_norm
+    assert configs["gemma3_text"].rope_local_theta == 10000.0 and configs["gemma3_text"].rope_theta == 1e6
+    assert configs["phi3"].partial_rotary_factor == 0.5 and configs["phi3"].layer_windows() == (w, w)
+    assert dict(configs["phi3"].rope_scaling)["rope_type"] == "longrope"
 
 
 def test_transformers_reads_the_qwen2_file_unpermuted(hf_dirs, gguf_files):
@@ -419,6 +507,20 @@ def test_unpermuting_a_qwen_file_would_break_it(gguf_files, monkeypatch):
 def test_f32_logits_match_transformers_at_every_position(forward_results, name):
     loaded, diff = forward_results[name]
     print(f"{name} F32: max |logit diff| = {diff:.3e} over {sum(PROMPT_LENGTHS)} positions")
+    assert diff <= ATOL, f"{name}: max abs logit difference {diff:.3e} > {ATOL}"
+    assert loaded.config.model_type == name
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3"])
+def test_q8_0_files_of_the_new_architectures_match_their_dequantized_weights(hf_dirs, gguf_files, name):
+    """Q8_0 blocks of Gemma 3 (norms offset, Q/K norms) and Phi-3 (the fused matrices
+    quantized whole, then split): the model runs the file's dequantized weights, as HF
+    holding them does."""
+    path, stored = gguf_files[name, "Q8_0"]
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types == {"F32", "Q8_0"}
+    loaded, diff = max_logit_diff_to_hf(path, hf_holding(hf_dirs[name], stored), 11)
+    print(f"{name} Q8_0: max |logit diff| = {diff:.3e} over {sum(PROMPT_LENGTHS)} positions")
     assert diff <= ATOL, f"{name}: max abs logit difference {diff:.3e} > {ATOL}"
     assert loaded.config.model_type == name
 
@@ -542,8 +644,19 @@ def test_mistral_window_is_read_from_the_file_only():
     assert gguf_config(_meta("llama", **{"attention.sliding_window": 0})).sliding_window is None
     everywhere = {"attention.sliding_window": 64, "attention.sliding_window_pattern": [True, True]}
     assert gguf_config(_meta("llama", **everywhere)).sliding_window == 64
-    with pytest.raises(ValueError, match="some layers"):
-        gguf_config(_meta("llama", **{**everywhere, "attention.sliding_window_pattern": [True, False]}))
+    mixed = gguf_config(_meta("llama", **{**everywhere, "attention.sliding_window_pattern": [True, False]}))
+    assert mixed.layer_windows() == (64, None)
+
+
+def test_rope_scalings_and_partial_rotary_are_read_as_hf_spells_them():
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 256,
+            "rope.scaling.yarn_beta_fast": 16.0}
+    assert dict(gguf_config(_meta("qwen2", **yarn)).rope_scaling) == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 16.0}
+    linear = gguf_config(_meta("qwen2", **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}))
+    assert dict(linear.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
+    assert gguf_config(_meta("qwen2", **{"rope.dimension_count": 8})).partial_rotary_factor == 0.5
+    assert gguf_config(_meta("qwen2", **{"rope.dimension_count": 16})).partial_rotary_factor == 1.0
 
 
 def test_qwen_metadata_gives_the_qwen_switches():
@@ -557,9 +670,10 @@ def test_qwen_metadata_gives_the_qwen_switches():
 
 
 @pytest.mark.parametrize("extra,match", [
-    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "rope scaling 'yarn'"),
-    ({"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, "rope scaling 'linear'"),
-    ({"rope.dimension_count": 8}, "partial RoPE"),
+    ({"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}, "'longrope' needs short_factor"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_log_multiplier": 0.1},
+     "yarn_log_multiplier"),
+    ({"rope.dimension_count": 24}, "does not fit head_dim 16"),
     ({"attention.key_length": 16, "attention.value_length": 32}, "value_length"),
     ({"attention.head_count_kv": [2, 4]}, "differs between layers"),
 ])
@@ -584,7 +698,11 @@ def test_unknown_architecture_is_refused_listing_the_supported_ones(tmp_path, ar
     writer.close()
     with pytest.raises(ValueError, match=f"unsupported GGUF architecture '{arch}'") as info:
         load_model(path)
-    assert str(info.value).endswith("supported: llama, qwen2, qwen3, qwen2moe, qwen3moe")
-    assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+    assert str(info.value).endswith(
+        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3"
+    )
+    assert SUPPORTED_GGUF_ARCHITECTURES == (
+        "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3",
+    )
     if arch == "gpt2":
         assert "attn_qkv" in str(info.value)  # says why, not just no

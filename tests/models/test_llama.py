@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from orca_jax import LLM
-from orca_jax.models.layers import model_inv_freq, rope_inv_freq
+from orca_jax.models import rope
+from orca_jax.models.layers import model_rope_tables
 from orca_jax.loading.loader import load_model
 
 ATOL = 1e-4
@@ -125,10 +126,11 @@ def test_llama3_rope_config_is_applied(parity_results):
     engine = parity_results["gqa-llama3-rope"]["engine"]
     cfg = engine.model_config
     assert cfg.rope_scaling_dict == {
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
     }
-    plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
-    scaled = model_inv_freq(cfg)  # what the model's layers fold into the step
+    plain = rope.rope_tables(cfg.head_dim, cfg.rope_theta, None, max_position_embeddings=64).inv_freq
+    scaled = model_rope_tables(cfg).inv_freq  # what the model's layers fold into the step
     assert np.allclose(scaled[:1], plain[:1])  # short wavelength kept
     assert np.allclose(scaled[-1], plain[-1] / 8.0)  # long wavelength slowed by `factor`
     assert not np.allclose(scaled, plain)

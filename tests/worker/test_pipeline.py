@@ -38,6 +38,19 @@ def test_layers_split_contiguously_the_first_stages_taking_the_remainder():
         stage_layer_ranges(2, 4)
 
 
+def test_each_stage_keeps_its_own_layers_attention_types():
+    """A stage of a model mixing sliding and full layers runs its slice of the layer types
+    (its scan index counts from 0), a stage of one kind a static window."""
+    import dataclasses
+
+    mixed = dataclasses.replace(MODEL, num_layers=5, sliding_window=8, layer_types=(
+        "sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"))
+    stages = [mixed.for_layers(r) for r in stage_layer_ranges(5, 2)]
+    assert [s.layer_windows() for s in stages] == [(8, 8, None), (8, None)]
+    assert [mixed.for_layers(range(0, 2)).mixes_attention_types, stages[0].mixes_attention_types] == [False, True]
+    assert MODEL.for_layers(range(1, 2)).layer_types is None
+
+
 def _tree(num_layers: int, tied: bool) -> dict:
     params = {"embed": np.zeros((10, 4)), "pos_embed": np.zeros((8, 4)),
               "layers": {"attn": {"q_proj": {"kernel": np.arange(num_layers * 2).reshape(num_layers, 2)}}},
@@ -216,7 +229,18 @@ def moe_layouts(tiny_hf_model_factory, run_parallel_worker) -> dict:
     return run_parallel_worker("tokens", str(model), "1x1,2x1,2x2:ep", worker="pipeline_worker.py")
 
 
-@pytest.fixture(params=["llama", "gpt2", "moe"])
+@pytest.fixture(scope="module")
+def gemma2_layouts(tiny_hf_model_factory, run_parallel_worker) -> dict:
+    # Gemma 2's sliding (window 6, below most prompts) and full layers alternating: 4 layers over
+    # 2 stages, each stage one of each, its layers' windows its own slice of the model's.
+    model = tiny_hf_model_factory("Gemma2Config", seed=5, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                  max_position_embeddings=256, initializer_range=0.1)
+    return run_parallel_worker("tokens", str(model), "1x1,2x1", worker="pipeline_worker.py")
+
+
+@pytest.fixture(params=["llama", "gpt2", "moe", "gemma2"])
 def layouts(request) -> dict:
     return request.getfixturevalue(f"{request.param}_layouts")
 
