@@ -336,7 +336,8 @@ GEMMA2_TEMPLATE = (
 
 
 def test_a_template_refusing_the_messages_is_a_400_with_its_own_message(live, monkeypatch):
-    monkeypatch.setattr(live.engine.tokenizer, "chat_template", GEMMA2_TEMPLATE)
+    # The server renders with its own copy of the tokenizer, so the template is swapped on the class.
+    monkeypatch.setattr(type(live.engine.tokenizer), "get_chat_template", lambda self, *_: GEMMA2_TEMPLATE)
     refused = live.post("/v1/chat/completions", chat(messages=[{"role": "system", "content": "Be brief."}, *CHAT]))
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
