@@ -13,7 +13,9 @@ round, so load on a shared machine falls on all alike):
     layers passes it, at a context of `--context` tokens;
   - `full_long`: full attention at `--context` tokens (what the window saves).
 Reported: the median ms of each over `--repeats` runs after a warm-up, and sliding_long over
-window_context (about 1 when only the window's pages are read) and over full_long.
+window_context (about 1 when only the window's pages are read) and over full_long; and, so that
+a fast kernel that skips the wrong pages cannot pass, the largest difference of sliding_long's
+output from the reference implementation's on the same inputs, computed in float32.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def run(args: argparse.Namespace) -> dict:
         "sliding_long": lambda: attend(*long, window),
         "full_long": lambda: attend(*long, full),
     }, args.repeats)
+    reference = kernels.ragged_paged_attention(long[0].astype(jnp.float32), long[1].astype(jnp.float32), long[2],
+                                               sm_scale=sm_scale, sliding_window=args.window, impl="reference")
+    error = float(jnp.max(jnp.abs(attend(*long, window).astype(jnp.float32) - reference)))
     command = "python benchmarks/sliding_window_bench.py " + " ".join(sys.argv[1:])
     return {
         **record_header("sliding_window", command.strip()),
@@ -92,6 +97,7 @@ def run(args: argparse.Namespace) -> dict:
         "ms": medians,
         "sliding_long_over_window_context": medians["sliding_long"] / medians["window_context"],
         "sliding_long_over_full_long": medians["sliding_long"] / medians["full_long"],
+        "sliding_long_max_abs_error_vs_reference": error,
     }
 
 
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
     print(f"{record['settings']['impl']}, batch {args.batch}, window {args.window}, context {args.context}: "
           f"full at {args.window} {ms['window_context']:.3f} ms, sliding at {args.context} {ms['sliding_long']:.3f} ms "
           f"({record['sliding_long_over_window_context']:.2f}x), full at {args.context} {ms['full_long']:.3f} ms "
-          f"(sliding {record['sliding_long_over_full_long']:.2f}x of it)")
+          f"(sliding {record['sliding_long_over_full_long']:.2f}x of it); max |error| vs the reference "
+          f"{record['sliding_long_max_abs_error_vs_reference']:.2e}")
     write_json(record, args.json)
     return 0
 

@@ -66,21 +66,17 @@ def test_sinks_take_mass_from_every_row():
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("window", [1, 9, 40])
-def test_traced_window_matches_the_static_one(impl, window):
-    """A layer's window as the scan passes it (traced i32[]) gives the static window's answer."""
+def test_traced_window_matches_the_static_one_in_one_program(impl):
+    """A layer's window as the scan passes it (traced i32[]) gives the static window's answer,
+    FULL_ATTENTION_WINDOW (a full layer's) gives full attention, and all of them run one
+    compiled program."""
     case = make_case(3, MIXES["chunked"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
     run = jax.jit(lambda w, q, kv, md: IMPLS[impl](q, kv, md, sm_scale=0.125, sliding_window=w))
-    out = run(jnp.int32(window), case.q, case.kv_pages, case.metadata)
-    assert_matches_oracle(out, case, sm_scale=0.125, sliding_window=window, tol=TOLERANCES["float32"])
-
-
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_full_layer_window_is_full_attention(impl):
-    case = make_case(4, MIXES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
-    run = jax.jit(lambda w, q, kv, md: IMPLS[impl](q, kv, md, sm_scale=0.125, sliding_window=w))
-    out = run(jnp.int32(kernels.FULL_ATTENTION_WINDOW), case.q, case.kv_pages, case.metadata)
-    assert_matches_oracle(out, case, sm_scale=0.125, tol=TOLERANCES["float32"])
+    for window in (1, 9, 40, kernels.FULL_ATTENTION_WINDOW):
+        out = run(jnp.int32(window), case.q, case.kv_pages, case.metadata)
+        static = None if window == kernels.FULL_ATTENTION_WINDOW else window
+        assert_matches_oracle(out, case, sm_scale=0.125, sliding_window=static, tol=TOLERANCES["float32"])
+    assert run._cache_size() == 1
 
 
 # The KV block each implementation reads whole (a block the window starts inside is read, and

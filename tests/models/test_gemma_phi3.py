@@ -104,7 +104,14 @@ def test_engine_runs_the_family_model(parity_results, name):
     assert type(engine.runner.model) is FAMILIES[name][2]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# Through the default (CPU) kernel and a warmed-up engine, one family per model class and
+# kernel feature: Gemma 2 (windows on alternate layers, soft caps), Gemma 3 (per-layer RoPE
+# tables), Phi-3 (LongRoPE, partial rotary, a window on every layer). Qwen2's mix and YaRN
+# change nothing the kernel sees that these do not; their logits are checked above.
+GREEDY_FAMILIES = ["gemma2", "gemma3_text", "phi3"]
+
+
+@pytest.mark.parametrize("name", GREEDY_FAMILIES)
 def test_greedy_generation_matches_hf_generate_compiling_nothing_after_warmup(tiny_hf_model_factory,
                                                                              greedy_matches_hf, name):
     """Greedy tokens equal HF `generate`'s, and serving them (mixed sliding and full layers,
