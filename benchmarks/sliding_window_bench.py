@@ -8,7 +8,10 @@ length, while a full layer at 8k reads all of it.
 One attention call (`orca_jax.kernels.ragged_paged_attention`, `--impl`, "auto" by backend) on a
 decode step of `--batch` sequences, in three settings run by turns (one run of each per
 round, so load on a shared machine falls on all alike):
-  - `window_context`: full attention at a context of `--window` tokens (the cost to match);
+  - `window_context`: full attention at a context of `--window` tokens (the cost to match),
+    in a cache of the same size as the long settings' (an engine's pool does not shrink with
+    its contexts; a bfloat16 cache on CPU is copied whole once per call, see
+    ragged_paged_attention_cpu's docstring);
   - `sliding_long`: the window traced, as the layer scan of a model mixing sliding and full
     layers passes it, at a context of `--context` tokens;
   - `full_long`: full attention at `--context` tokens (what the window saves).
@@ -39,11 +42,13 @@ from orca_jax.bench.harness import write_json  # noqa: E402
 from orca_jax.kernels.testing import ragged_metadata  # noqa: E402
 
 
-def decode_inputs(batch: int, context: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+def decode_inputs(batch: int, context: int, *, capacity: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   page_size: int, dtype, seed: int = 0):
-    """q [batch, N, H], a cache holding `batch` sequences of `context` tokens, their metadata."""
+    """q [batch, N, H], a cache with room for `batch` sequences of `capacity` tokens (as an
+    engine's pool is sized once, whatever the contexts in it), holding `batch` sequences of
+    `context` tokens, and their metadata."""
     rng = np.random.default_rng(seed)
-    pages_per_seq = -(-context // page_size)
+    pages_per_seq = -(-capacity // page_size)
     num_pages = 1 + batch * pages_per_seq  # page 0: the padding sink
     page_table = (1 + np.arange(batch * pages_per_seq, dtype=np.int32)).reshape(batch, pages_per_seq)
     metadata = ragged_metadata([(1, context)] * batch, page_table, np.full(batch, context, np.int32),
@@ -69,8 +74,8 @@ def time_settings(calls: dict, repeats: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict:
     dtype = jnp.dtype(args.dtype)
     impl = kernels.resolve_impl(args.impl)
-    shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                 page_size=args.page_size, dtype=dtype)
+    shape = dict(capacity=args.context, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                 head_dim=args.head_dim, page_size=args.page_size, dtype=dtype)
     short = decode_inputs(args.batch, args.window, **shape)
     long = decode_inputs(args.batch, args.context, **shape)
     sm_scale = args.head_dim ** -0.5
