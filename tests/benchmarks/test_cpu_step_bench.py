@@ -5,10 +5,7 @@ a run at tiny sizes on a tiny random model writes every row of every part."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,19 +16,14 @@ from orca_jax.bench.random_model import write_random_checkpoint
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.kernels import resolve_impl
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
             max_position_embeddings=8192, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_cpu_step_bench", BENCHMARKS / "cpu_step_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("cpu_step_bench")
 
 
 def engine_config(max_num_seqs=4, budget=16, max_model_len=64) -> EngineConfig:

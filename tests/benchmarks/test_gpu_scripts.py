@@ -3,37 +3,24 @@ nothing on a CPU), and their byte accounting is what their docstrings say."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name,argv", [("kernel_bench", ["--quick"]), ("step_bench", []),
                                        ("gpu_engine_check", ["--out", "/dev/null"])])
-def test_refuses_without_a_gpu(name, argv, capsys):
-    module = load(name)
+def test_refuses_without_a_gpu(name, argv, capsys, load_benchmark):
+    module = load_benchmark(name)
     with pytest.raises(SystemExit) as exit_info:
         sys.exit(module.main(argv))
     assert exit_info.value.code == 2
     assert "GPU" in capsys.readouterr().err
 
 
-def test_step_roofline_counts_every_weight_once():
-    step_bench = load("step_bench")
+def test_step_roofline_counts_every_weight_once(load_benchmark):
+    step_bench = load_benchmark("step_bench")
     config = step_bench.LLAMA_3_2_1B
     # Llama-3.2-1B has 1.236e9 parameters (tied embeddings): 2.47 GB in bfloat16.
     assert step_bench.weight_bytes(config) == pytest.approx(2 * 1.2358e9, rel=1e-3)
@@ -41,8 +28,8 @@ def test_step_roofline_counts_every_weight_once():
     assert step_bench.kv_bytes_per_token(config) == 32 * 1024
 
 
-def test_kernel_bench_counts_kv_queries_and_outputs():
-    kernel_bench = load("kernel_bench")
+def test_kernel_bench_counts_kv_queries_and_outputs(load_benchmark):
+    kernel_bench = load_benchmark("kernel_bench")
     kernel_bench.NUM_Q_HEADS, kernel_bench.NUM_KV_HEADS, kernel_bench.HEAD_DIM = 4, 2, 16
     (q, kv_pages, metadata), moved = kernel_bench.make_step([(1, 40), (5, 21)])
     kv_lens, page_table, cu_q_lens, num_seqs = (
@@ -56,8 +43,8 @@ def test_kernel_bench_counts_kv_queries_and_outputs():
     assert moved == (40 + 21) * 2 * 2 * 16 * itemsize + 2 * 6 * 4 * 16 * itemsize
 
 
-def test_kernel_bench_cpu_layers_count_kv_bytes_and_own_their_pages():
-    kernel_bench = load("kernel_bench")
+def test_kernel_bench_cpu_layers_count_kv_bytes_and_own_their_pages(load_benchmark):
+    kernel_bench = load_benchmark("kernel_bench")
     kernel_bench.CPU_HEADS, kernel_bench.CPU_POOL_BYTES = (4, 2, 16), 1 << 16
     q, kv_pages, metadatas, kv_bytes = kernel_bench.make_cpu_layers([(1, 40), (5, 21)], np.float32)
     assert q.shape == (6, 4, 16) and kv_pages.shape[1:] == (16, 4, 16)
@@ -66,8 +53,8 @@ def test_kernel_bench_cpu_layers_count_kv_bytes_and_own_their_pages():
     assert len(metadatas) >= 2 and len(set(pages)) == len(pages) and 0 not in pages  # one pool, no page twice
 
 
-def test_kernel_bench_cpu_quick_run_writes_its_report(tmp_path, monkeypatch):
-    kernel_bench = load("kernel_bench")
+def test_kernel_bench_cpu_quick_run_writes_its_report(tmp_path, monkeypatch, load_benchmark):
+    kernel_bench = load_benchmark("kernel_bench")
     monkeypatch.setattr(kernel_bench, "CPU_POOL_BYTES", 1 << 20)
     monkeypatch.setattr(kernel_bench, "cpu_read_bandwidth_gbs", lambda: 10.0)
     monkeypatch.setattr(kernel_bench, "cpu_cases", lambda quick: iter([("decode b=2 ctx=2048", [(1, 70)] * 2),
@@ -80,10 +67,10 @@ def test_kernel_bench_cpu_quick_run_writes_its_report(tmp_path, monkeypatch):
     assert report["targets"]["decode_ctx2048_min_share_of_read"] > 0
 
 
-def test_kernel_bench_cpu_spec_cases_time_verification_rows(tmp_path, monkeypatch):
+def test_kernel_bench_cpu_spec_cases_time_verification_rows(tmp_path, monkeypatch, load_benchmark):
     """`--cases spec`: verification rows of 1 + k query tokens over the same context as the
     decode rows, and the mixed 40-token step; the issue-14 rows (and their target) left out."""
-    kernel_bench = load("kernel_bench")
+    kernel_bench = load_benchmark("kernel_bench")
     cases = dict(kernel_bench.spec_cases(quick=False))
     ctx = kernel_bench.SPEC_CONTEXT
     assert cases[f"decode b=16 ctx={ctx}"] == [(1, ctx)] * 16

@@ -4,26 +4,18 @@ both parts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY_MODEL = ("hidden_size=64,num_layers=1,num_experts=8,num_experts_per_tok=2,moe_intermediate_size=32,"
               "vocab_size=256,num_heads=4,num_kv_heads=2,head_dim=16")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_moe_bench", BENCHMARKS / "moe_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("moe_bench")
 
 
 def test_routing_picks_distinct_experts_per_token(bench):

@@ -4,27 +4,15 @@ right pages)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_sliding_window_bench", BENCHMARKS / "sliding_window_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_tiny_run_writes_timings_ratios_and_its_error(tmp_path):
+def test_tiny_run_writes_timings_ratios_and_its_error(load_benchmark, tmp_path):
     out = tmp_path / "sliding.json"
-    assert _bench().main(["--impl", "cpu", "--batch", "2", "--window", "24", "--context", "96", "--num-q-heads", "4",
-                          "--num-kv-heads", "2", "--head-dim", "16", "--page-size", "8", "--repeats", "3",
-                          "--json", str(out)]) == 0
+    bench = load_benchmark("sliding_window_bench")
+    assert bench.main(["--impl", "cpu", "--batch", "2", "--window", "24", "--context", "96", "--num-q-heads", "4",
+                       "--num-kv-heads", "2", "--head-dim", "16", "--page-size", "8", "--repeats", "3",
+                       "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert set(record["ms"]) == {"window_context", "sliding_long", "full_long"}
     assert all(ms > 0 for ms in record["ms"].values())

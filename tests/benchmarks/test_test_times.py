@@ -3,12 +3,9 @@ module lives in (classes and nested packages included), largest first."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -22,11 +19,8 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?>
 
 
 @pytest.fixture(scope="module")
-def test_times():
-    spec = importlib.util.spec_from_file_location("bench_test_times", BENCHMARKS / "test_times.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_times(load_benchmark):
+    return load_benchmark("test_times")
 
 
 def test_cases_are_summed_per_directory_largest_first(test_times, tmp_path):
