@@ -167,8 +167,11 @@ def _gemma(key, arch_name: str, heads) -> dict[str, Any]:
         return {}
     hf = {"attn_logit_softcapping": key("attn_logit_softcapping"),
           "final_logit_softcapping": key("final_logit_softcapping")}
+    # Always written: a Gemma config.json without the key means transformers' default (256).
     if key("block_count") == _SCALED_BY_HIDDEN_PER_HEAD[arch_name] and heads:
         hf["query_pre_attn_scalar"] = key("embedding_length") // heads
+    elif heads:
+        hf["query_pre_attn_scalar"] = key("attention.key_length") or key("embedding_length") // heads
     if arch_name == "gemma3" and key("attention.sliding_window_pattern") is None:
         hf["sliding_window_pattern"] = 6
     return hf

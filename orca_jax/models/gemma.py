@@ -44,6 +44,29 @@ _TEXT_TOWER_HEADS = ("lm_head.", "language_model.lm_head.")
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+# transformers' defaults for the keys a Gemma config.json may leave out. The hub's Gemma 3 files
+# write only what differs from them: google/gemma-3-4b-it's text_config has no vocab_size, head
+# counts, head_dim or rope_theta, and reading those as anything but these values builds a
+# different model. tests/models/test_gemma_phi3.py checks the table against transformers'
+# own config classes.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+        attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, eos_token_id=1,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000.0,
+        rope_local_base_freq=10000.0, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+        sliding_window_pattern=6, attn_logit_softcapping=None, final_logit_softcapping=None, eos_token_id=1,
+    ),
+}
+
+
 class GemmaBlock(DecoderBlock):
     """The decoder block with Gemma's norms around attention and the MLP."""
 
@@ -96,13 +119,15 @@ def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     if model_type == "gemma3":
         logger.warning("gemma3: loading the text tower only (no vision tower, no image inputs)")
         text = cfg.get("text_config") or cfg  # a text-only file saved under the multimodal class
-        cfg = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id"))}
+        eos = cfg.get("eos_token_id", text.get("eos_token_id"))  # the outer file's: [1, 106], <end_of_turn> too
+        cfg = {**text, **({"eos_token_id": eos} if eos is not None else {})}
     is_gemma3 = model_type in ("gemma3", "gemma3_text")
+    cfg = {**HF_DEFAULTS["gemma3_text" if is_gemma3 else "gemma2"], **cfg}
     num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = hf_config.rope_from_hf(cfg)
-    pattern = cfg.get("sliding_window_pattern", 6) if is_gemma3 else 2
-    attention_bias = cfg.get("attention_bias", False)
+    pattern = cfg["sliding_window_pattern"] if is_gemma3 else 2
+    attention_bias = cfg["attention_bias"]
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
@@ -111,21 +136,21 @@ def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=cfg["rms_norm_eps"],
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rope_local_theta=local_rope_theta(cfg) if is_gemma3 else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=cfg["tie_word_embeddings"],
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=is_gemma3,
-        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-        sliding_window=cfg.get("sliding_window", 4096),
+        hidden_act=cfg["hidden_activation"] or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        sliding_window=cfg["sliding_window"],
         layer_types=gemma_layer_types(cfg, pattern),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim),
+        query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
         eos_token_ids=hf_config.eos_token_ids(cfg),
         model_type=model_type,
     )

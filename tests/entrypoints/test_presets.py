@@ -20,7 +20,8 @@ def test_the_issue_presets_are_shipped():
     names = list_presets()
     assert names == sorted(p.stem for p in PRESET_FILES)
     assert {"smollm2-cpu", "llama-3.2-1b-gpu", "llama-3.1-8b-h100", "llama-3.1-8b-tpu-v5e-8",
-            "qwen2.5-7b-h100"} <= set(names)
+            "qwen2.5-7b-h100", "gemma-3-27b-it-tpu-v5e-8", "gemma-3-4b-it-gpu", "gemma-2-9b-it-tpu-v5e-4",
+            "phi-4-mini-cpu"} <= set(names)
 
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
@@ -191,3 +192,117 @@ def test_moe_presets_fit_the_model_they_name(name, devices):
     assert round(2 * total / 1e9) == 61
     if config.enable_expert_parallel:
         assert model.num_experts // devices == 16 and round(2 * total / devices / 1e9, 1) == 7.6
+
+
+# ---- the presets of the Gemma and Phi families, against the real models -------------------
+# config.json as on the hub, abridged to what the model reads. Gemma 3's is the vision-language
+# file, whose text_config lists only what differs from transformers' defaults. Phi-4-mini's
+# LongRoPE factors are 48 numbers each that change no size, so ones stand in for them.
+GEMMA_3_27B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+               "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                               "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                               "num_key_value_heads": 16, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+                               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+               "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+GEMMA_3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+              "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                              "num_hidden_layers": 34, "sliding_window": 1024,
+                              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+              "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+GEMMA_2_9B = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
+                  intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                  final_logit_softcapping=30.0, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, eos_token_id=1)
+PHI_4_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=200064, hidden_size=3072,
+                  intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072,
+                  original_max_position_embeddings=4096, partial_rotary_factor=0.75, sliding_window=262144,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48},
+                  tie_word_embeddings=True, hidden_act="silu", eos_token_id=[200020, 199999])
+
+GiB = 1 << 30
+# preset -> (hub config, the machine's memory per device in bytes, published parameter counts:
+# (embedding, non-embedding) exactly for Gemma 2 (its report), non-embedding in millions for
+# Gemma 3 (its report, Table 1; its embedding row adds the vision projector), the total in
+# billions for Phi-4-mini (its model card).
+FAMILY_PRESETS = {
+    "gemma-3-27b-it-tpu-v5e-8": (GEMMA_3_27B, 16 * GiB, dict(non_embedding_m=25_600)),
+    "gemma-3-4b-it-gpu": (GEMMA_3_4B, 24 * 10**9, dict(non_embedding_m=3_209)),
+    "gemma-2-9b-it-tpu-v5e-4": (GEMMA_2_9B, 16 * GiB, dict(embedding=917_504_000, non_embedding=8_324_201_984)),
+    "phi-4-mini-cpu": (PHI_4_MINI, 16 * 10**9, dict(total_b=3.84)),
+}
+
+
+def _weight_bytes_per_device(model, dtype: str, devices: int) -> tuple[dict[str, int], int]:
+    """Parameter counts by path and the bytes one device holds, as the engine stores them."""
+    import flax.linen as nn
+    import numpy as np
+
+    from orca_jax.distributed import parallel
+    from orca_jax.kernels.quantization import stored_dtype
+    from orca_jax.models import abstract_variables
+
+    leaves = parallel.tree_paths(nn.unbox(abstract_variables(model))["params"])
+    sizes = {path: int(np.prod(leaf.shape)) for path, leaf in leaves.items()}
+    total_bytes = sum(size * stored_dtype(path, leaves[path].dtype, dtype).itemsize for path, size in sizes.items())
+    return sizes, total_bytes // devices
+
+
+@pytest.mark.parametrize("name", list(FAMILY_PRESETS))
+def test_family_presets_fit_the_model_and_machine_they_name(name):
+    """The model's sizes are the published ones; the layout the preset asks for splits its heads
+    without copies; weights and a full-length sequence's KV fit the machine; and the numbers
+    in the preset's description and comments are these."""
+    import dataclasses
+
+    from orca_jax.core.kv_cache import kv_bytes_per_page
+    from orca_jax.distributed import parallel
+    from orca_jax.models import config_from_hf
+
+    hub, memory, published = FAMILY_PRESETS[name]
+    preset = load_preset(name)
+    config = engine_config_from_preset(preset)
+    devices = config.tensor_parallel_size
+    model = dataclasses.replace(config_from_hf(hub), quantization=config.quantization)
+    assert parallel.kv_head_repeats(model, devices) == 1  # the KV cache shards without copies
+    assert config.max_model_len <= model.max_position_embeddings
+
+    sizes, weights = _weight_bytes_per_device(model, config.dtype, devices)
+    embedding = sizes["embed"]
+    total = sum(size for path, size in sizes.items() if not path.endswith(("qscale", "qzero")))
+    assert embedding == model.vocab_size * model.hidden_size and model.tie_word_embeddings
+    non_embedding = total - embedding
+    if "embedding" in published:
+        assert (embedding, non_embedding) == (published["embedding"], published["non_embedding"])
+    if "non_embedding_m" in published:
+        assert round(non_embedding / 1e6) == published["non_embedding_m"]
+    if "total_b" in published:
+        assert round(total / 1e9, 2) == published["total_b"]
+
+    kv_dtype = config.resolved_kv_cache_dtype("cpu" if config.dtype == "float32" else "tpu")
+    kv_per_token = kv_bytes_per_page(model, 1, kv_dtype) // devices
+    text = preset["description"] + (REPO / "configs" / f"{name}.toml").read_text()
+    if config.kv_cache_memory_bytes != EngineConfig().kv_cache_memory_bytes:  # CPU: a stated budget
+        budget = config.kv_cache_memory_bytes
+        assert weights + budget <= memory * 0.5  # room for the OS, the activations and the rest
+    else:  # an accelerator: a fraction of what the weights leave
+        budget = int((memory - weights) * config.gpu_memory_utilization)
+    pool_tokens = budget // kv_per_token
+    assert pool_tokens >= 2 * config.max_model_len, f"{pool_tokens} tokens of KV"
+    # The figures the preset states.
+    if name == "gemma-3-27b-it-tpu-v5e-8":
+        assert f"{weights / 1e9:.1f} GB" in text and kv_per_token // 1024 == 62 and pool_tokens > 100_000
+        assert model.layer_windows()[:6] == (1024,) * 5 + (None,)
+    if name == "gemma-3-4b-it-gpu":
+        assert f"{weights / 1e9:.1f} GB" in text and f"{kv_per_token // 1024} KiB" in text
+        assert f"{total / 1e9:.1f}B" in text and model.layer_windows()[:6] == (1024,) * 5 + (None,)
+    if name == "gemma-2-9b-it-tpu-v5e-4":
+        assert f"{weights / 1e9:.1f} GB" in text and f"{kv_per_token // 1024} KiB" in text
+        assert model.layer_windows()[:2] == (4096, None) and model.attn_logit_softcapping == 50.0
+    if name == "phi-4-mini-cpu":
+        float32 = _weight_bytes_per_device(dataclasses.replace(model, quantization=None), "float32", 1)[1]
+        assert f"{weights / 1e9:.1f} GB" in text and f"{float32 / 1e9:.1f} GB" in text
+        assert f"{pool_tokens:,} tokens" in text and kv_per_token == 256 * 1024
+        # Within the pretraining context LongRoPE uses its short factors only, as HF does.
+        assert config.max_model_len == dict(model.rope_scaling)["original_max_position_embeddings"]

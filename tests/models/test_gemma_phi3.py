@@ -127,9 +127,12 @@ def test_greedy_generation_matches_hf_generate_compiling_nothing_after_warmup(ti
         greedy_matches_hf(llm, hf_model, prompts, num_new=16)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_loader_tree_matches_model_init(tiny_hf_model_factory, assert_tree_matches_model_init, name):
-    assert_tree_matches_model_init(load_model(_model_dir(tiny_hf_model_factory, name)))
+@pytest.mark.parametrize("name, quantization", [(name, None) for name in FAMILIES]
+                         + [("phi3", "int8"), ("gemma3_text", "int8")])  # the phi-4-mini-cpu preset's weights
+def test_loader_tree_matches_model_init(tiny_hf_model_factory, assert_tree_matches_model_init, name, quantization):
+    loaded = load_model(_model_dir(tiny_hf_model_factory, name), quantization=quantization)
+    assert loaded.config.quantization == quantization
+    assert_tree_matches_model_init(loaded)
 
 
 def test_the_mixed_families_mix(tiny_hf_model_factory):
@@ -197,3 +200,42 @@ def test_gemma3_vision_checkpoint_config_reads_its_text_tower():
     text = {**_LLAMA_LIKE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8}
     c = config_from_hf({"model_type": "gemma3", "text_config": text, "vision_config": {}, "eos_token_id": [1, 106]})
     assert (c.model_type, c.num_layers, c.qk_norm, c.eos_token_ids) == ("gemma3", 4, True, (1, 106))
+
+
+@pytest.mark.parametrize("model_type, config_class", [("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
+def test_gemma_defaults_are_transformers_own(model_type, config_class):
+    """A key left out of config.json means what transformers' config class says it means."""
+    import transformers
+
+    from orca_jax.models.gemma import HF_DEFAULTS
+
+    hf = getattr(transformers, config_class)()
+    rope = getattr(hf, "rope_parameters", None) or {}
+    for key, value in HF_DEFAULTS[model_type].items():
+        if key == "rope_theta":  # transformers 5 keeps it in rope_parameters (by layer type for Gemma 3)
+            actual = getattr(hf, "rope_theta", None) or rope.get("full_attention", rope).get("rope_theta")
+        elif key == "rope_local_base_freq":
+            actual = getattr(hf, key, None) or rope["sliding_attention"]["rope_theta"]
+        elif key == "sliding_window_pattern":  # transformers 5 derives layer_types from it
+            actual = next(i + 1 for i, kind in enumerate(hf.layer_types) if kind == "full_attention")
+        else:
+            actual = getattr(hf, key)
+        assert actual == value, key
+
+
+def test_the_hubs_sparse_gemma3_config_builds_the_model_transformers_builds():
+    """google/gemma-3-4b-it's config.json (its text_config as on the hub: only what differs from
+    the defaults): the head counts, vocabulary and global RoPE base come from the defaults."""
+    from transformers import Gemma3Config
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}
+    c, hf = config_from_hf(hub), Gemma3Config(**hub).text_config
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim, c.query_pre_attn_scalar) == (
+        hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.query_pre_attn_scalar)
+    assert c.rope_theta == 1_000_000.0 and c.rope_local_theta == 10000.0
+    assert dict(c.rope_scaling)["factor"] == 8.0
+    assert c.layer_windows() == tuple(None if t == "full_attention" else 1024 for t in hf.layer_types)
+    assert c.eos_token_ids == (1, 106) and c.max_position_embeddings == 131072
