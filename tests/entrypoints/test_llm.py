@@ -13,7 +13,7 @@ from orca_jax import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), max_num_seqs=8, max_num_batched_tokens=32, page_size=8,
-               num_pages=64, max_model_len=256)
+               num_pages=64, max_model_len=256, min_token_bucket=32)  # one step program
 
 
 def greedy(max_tokens=8, **kw) -> SamplingParams:

@@ -114,7 +114,8 @@ def two_apps(main, other, prefix: str):
 @pytest.fixture(scope="module")
 def live(tiny_llama_factory, serve_in_thread, server_idle_waiter):
     engine = LLMEngine(model=str(tiny_llama_factory(max_position_embeddings=MAX_MODEL_LEN)), max_num_seqs=8,
-                       max_num_batched_tokens=32, page_size=16, num_pages=640, max_model_len=MAX_MODEL_LEN)
+                       max_num_batched_tokens=32, page_size=16, num_pages=640, max_model_len=MAX_MODEL_LEN,
+                       min_token_bucket=32)  # one step program
     settings = ServerSettings(MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes")
     async_engine, app = build_app(engine, settings, max_waiting_requests=64)
     plain = create_app(async_engine, ServerSettings(MODEL), ServerMetrics(lambda: async_engine.stats()))

@@ -193,7 +193,7 @@ def test_no_compiles_after_warmup(tiny_hf_model_factory):
         max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
         num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
     engine = LLMEngine(model=str(directory), max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=48,
-                       max_model_len=128)
+                       max_model_len=128, min_token_bucket=16)  # two buckets: warm-up covers more than one
     compile_count()
     rng = np.random.default_rng(5)
     with no_compiles("serving a mixture of experts"):
