@@ -7,6 +7,10 @@ that catches ValueError for bad input (the offline API, older tests) keeps worki
 
 from __future__ import annotations
 
+# How the error of a request whose output constraint failed mid-generation begins (the
+# matcher refused a token or gave up): the server answers it as the client's error, not 500.
+CONSTRAINT_FAILED = "the output constraint could not be satisfied"
+
 
 class RequestError(ValueError):
     """A bad request. `param` is the field at fault (None: the request as a whole), in the

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from orca_jax.config import QUANTIZATION_METHODS, EngineConfig
 from orca_jax.core.sampling_params import SamplingParams
@@ -220,6 +222,8 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(
         model_name=_served_model_name(args, config), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        chat_template=read_chat_template(args.chat_template),
+        default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
     )
     logger.info("serving %r at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)",
                 settings.model_name, args.host, args.port)
@@ -240,6 +244,33 @@ def cmd_convert(args) -> int:
     print(f"saved {args.out_dir} (load + convert {timings['convert_s']:.1f} s, total {timings['total_s']:.1f} s); "
           f"use it as --model {args.out_dir}")
     return 0
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a path to a template file, else the template text itself (vLLM's rule)."""
+    if value is None:
+        return None
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # a name too long for the file system: template text
+        is_file = False
+    if is_file:
+        return Path(value).read_text()
+    if "{" not in value:
+        raise SystemExit(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def parse_template_kwargs(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        kwargs = json.loads(value)
+    except ValueError as exc:
+        raise SystemExit(f"--default-chat-template-kwargs must be a JSON object: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--default-chat-template-kwargs must be a JSON object")
+    return kwargs
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -263,6 +294,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls are read out of the reply: hermes (<tool_call>{json}</tool_call>: "
                              "Qwen2.5/Qwen3, Hermes, ...) or llama3_json (Llama 3.1+)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                        help="the chat template to render conversations with instead of the model's: a Jinja "
+                             "file, or the template itself")
+    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                        help='template variables every chat request starts from, e.g. \'{"enable_thinking": '
+                             'false}\' (a request\'s chat_template_kwargs override them)')
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                         help="seconds to wait for open connections at shutdown")
     # Multi-host (jax.distributed): process 0 serves HTTP and schedules, the others follow.

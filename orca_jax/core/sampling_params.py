@@ -68,6 +68,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # vLLM's token rules (orca_jax.structured.token_rules), applied through the step's bitmask:
+    min_tokens: int = 0  # EOS, stop token ids and stop strings do not end the output before this
+    bad_words: list[str] | None = None  # words never produced (every token spelling of each)
+    allowed_token_ids: list[int] | None = None  # only these tokens are sampled
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # With transformers' fast tokenizers (the only kind loaded) special tokens are never
+    # spaced apart; vLLM's default True is the one value this engine can honour.
+    spaces_between_special_tokens: bool = True
+    # Keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens; -1: the
+    # model's context length).
+    truncate_prompt_tokens: int | None = None
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
     # Constrained decoding (JSON schema, regex, choice, grammar): orca_jax.structured.structured_outputs.
     structured_outputs: StructuredOutputsParams | None = None
@@ -77,6 +88,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -107,6 +121,23 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens,
+             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
+            ("min_tokens", not _is_int(self.min_tokens) or not _is_int(self.max_tokens)
+             or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens!r}) must be at most max_tokens ({self.max_tokens!r})"),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             "bad_words must be non-blank strings"),
+            ("allowed_token_ids", self.allowed_token_ids is None
+             or (self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of non-negative integers"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool"),
+            ("spaces_between_special_tokens", self.spaces_between_special_tokens is True,
+             "spaces_between_special_tokens=false is not supported: fast tokenizers never space special tokens"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None
+             or (_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             f"truncate_prompt_tokens must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}"),
             ("structured_outputs",
              self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams or None"),
@@ -120,6 +151,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_token_rules(self) -> bool:
+        return bool(self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
 
     @property
     def uses_penalties(self) -> bool:

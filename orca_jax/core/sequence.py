@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from orca_jax.structured.guided_decoding import GuidedState
+from orca_jax.structured.token_rules import TokenRules
 from orca_jax.core.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Sequence:
     # Constrained decoding (orca_jax.structured.guided_decoding): the grammar's state, for a sequence
     # whose params carry structured_outputs; not admitted until the grammar is compiled.
     guided: GuidedState | None = None
+    # vLLM's allowed_token_ids / bad_words / min_tokens (orca_jax.structured.token_rules); None: none.
+    token_rules: TokenRules | None = None
     # Speculative decoding (orca_jax.spec_decode): the draft tokens proposed for its next step
     # (the scheduler verifies those its budget and pages allow, and clears them); the pages it
     # kept when a rejected run gave pages back, so the device's page table is rewritten from
@@ -77,6 +80,11 @@ class Sequence:
     @property
     def awaiting_grammar(self) -> bool:
         return self.guided is not None and not self.guided.ready
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step's mask reads its output tokens: they must be on the host first."""
+        return self.guided is not None or (self.token_rules is not None and self.token_rules.reads_output)
 
     @property
     def num_tokens(self) -> int:

@@ -33,14 +33,18 @@ class IncrementalDetokenizer:
     of it, joined when `text` is read), `_unsent` (what `take_delta` has not handed out yet)
     and `_tail` (its last characters that a stop string could begin with)."""
 
-    __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "emitted", "_ids", "_prefix_offset",
-                 "_read_offset", "_hold", "_pieces", "_length", "_unsent", "_tail")
+    __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "min_tokens", "skip_special_tokens", "emitted",
+                 "_ids", "_num_tokens", "_prefix_offset", "_read_offset", "_hold", "_pieces", "_length", "_unsent",
+                 "_tail")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (),
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, *, min_tokens: int = 0, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens  # stop strings count only from this many tokens on (vLLM's rule)
+        self.skip_special_tokens = skip_special_tokens
+        self._num_tokens = 0  # tokens added
         self.emitted = 0  # characters of `text` already handed out as deltas
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -99,6 +103,7 @@ class IncrementalDetokenizer:
         """Append one token; returns the token windows to decode for it, (prefix, full): the
         text `full` adds to `prefix` is the new text. Pass both decodes to `accept`."""
         self._ids.append(token_id)
+        self._num_tokens += 1
         ids, start = self._ids, self._prefix_offset
         return ids[start:self._read_offset], ids[start:]
 
@@ -117,6 +122,8 @@ class IncrementalDetokenizer:
         window = self._tail + new
         self._append(new)
         self._tail = self._tail_of(window)
+        if self._num_tokens < self.min_tokens:
+            return None
         return self._truncate_at_stop(window, search_from)
 
     def add_token(self, token_id: int) -> str | None:
@@ -126,7 +133,7 @@ class IncrementalDetokenizer:
         return self.accept(self._decode(prefix_ids), self._decode(full_ids))
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def flush(self) -> None:
         """At the end of a sequence: emit whatever is still pending, even an incomplete
@@ -173,37 +180,40 @@ def detokenize_step(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> 
         raise ValueError(f"{len(detoks)} detokenizers for {len(tokens)} tokens")
     groups = _rows_by_tokenizer(detoks)
     if len(groups) == 1:  # the engine's case: one tokenizer, no regrouping
-        decoded = _decode_many(groups[0][0], [ids for d, t in zip(detoks, tokens) for ids in d.windows(t)])
+        (tokenizer, skip), _ = groups[0]
+        decoded = _decode_many(tokenizer, [ids for d, t in zip(detoks, tokens) for ids in d.windows(t)], skip)
         return [d.accept(prefix, full) for d, prefix, full in zip(detoks, decoded[0::2], decoded[1::2])]
     windows = [d.windows(t) for d, t in zip(detoks, tokens)]
     texts: list[tuple[str, str] | None] = [None] * len(detoks)
-    for tokenizer, rows in groups:
-        decoded = _decode_many(tokenizer, [ids for row in rows for ids in windows[row]])
+    for (tokenizer, skip), rows in groups:
+        decoded = _decode_many(tokenizer, [ids for row in rows for ids in windows[row]], skip)
         for row, prefix, full in zip(rows, decoded[0::2], decoded[1::2]):
             texts[row] = prefix, full
     return [d.accept(prefix, full) for d, (prefix, full) in zip(detoks, texts)]
 
 
-def _rows_by_tokenizer(detoks: list[IncrementalDetokenizer]) -> list[tuple[object, list[int]]]:
-    """[(tokenizer, the rows using it)]; one engine has one tokenizer, so that case is checked
-    first. Grouped by identity: tokenizers need not be hashable."""
+def _rows_by_tokenizer(detoks: list[IncrementalDetokenizer]) -> list[tuple[tuple[object, bool], list[int]]]:
+    """[((tokenizer, skip_special_tokens), the rows decoding that way)]; one engine has one
+    tokenizer and most requests skip special tokens, so that case is checked first. Grouped by
+    identity: tokenizers need not be hashable."""
     if not detoks:
         return []
-    first = detoks[0].tokenizer
-    if all(d.tokenizer is first for d in detoks):
-        return [(first, range(len(detoks)))]
-    groups: dict[int, tuple[object, list[int]]] = {}
+    first, skip = detoks[0].tokenizer, detoks[0].skip_special_tokens
+    if all(d.tokenizer is first and d.skip_special_tokens == skip for d in detoks):
+        return [((first, skip), range(len(detoks)))]
+    groups: dict[tuple[int, bool], tuple[tuple[object, bool], list[int]]] = {}
     for row, d in enumerate(detoks):
-        groups.setdefault(id(d.tokenizer), (d.tokenizer, []))[1].append(row)
+        key = (id(d.tokenizer), d.skip_special_tokens)
+        groups.setdefault(key, ((d.tokenizer, d.skip_special_tokens), []))[1].append(row)
     return list(groups.values())
 
 
-def _decode_many(tokenizer, id_lists: list[list[int]]) -> list[str]:
-    """`[tokenizer.decode(ids, skip_special_tokens=True) for ids in id_lists]`, in one Rust call
+def _decode_many(tokenizer, id_lists: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """`[tokenizer.decode(ids, skip_special_tokens=...) for ids in id_lists]`, in one Rust call
     where that is provably the same text."""
     if rust_decode_is_exact(tokenizer):
-        return tokenizer.backend_tokenizer.decode_batch(id_lists, skip_special_tokens=True)
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in id_lists]
+        return tokenizer.backend_tokenizer.decode_batch(id_lists, skip_special_tokens=skip_special_tokens)
+    return [tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in id_lists]
 
 
 def rust_decode_is_exact(tokenizer) -> bool:

@@ -39,8 +39,9 @@ from orca_jax.config import EngineConfig
 from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
 from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
-from orca_jax.errors import RequestError, check_unicode
+from orca_jax.errors import CONSTRAINT_FAILED, RequestError, check_unicode
 from orca_jax.structured.guided_decoding import GrammarCompiler, GuidedState
+from orca_jax.structured.token_rules import TokenRules
 from orca_jax.kernels import resolve_impl
 from orca_jax.core.kv_cache import PageAllocator
 from orca_jax.loading.loader import load_model
@@ -245,14 +246,18 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.validate(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0, cache_salt=cache_salt)
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
+        rules = TokenRules.build(params, self._encode_plain, self.eos_token_ids, self.model_config.vocab_size)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, seed=0, cache_salt=cache_salt,
+                         token_rules=rules)
                 for i in range(params.n)]
         if params.structured_outputs is not None:
             for seq in seqs:
                 seq.guided = GuidedState()
         self._validate_lengths(seqs[0])
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
+                                   min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens)
             for _ in seqs
         ]
         return Request(request_id, text, token_ids, params, seqs, detoks)
@@ -286,6 +291,16 @@ class LLMEngine:
                 raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
             return None, ids
         raise TypeError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return token_ids
+        keep = self.config.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _validate_lengths(self, seq: Sequence) -> None:
         """The prompt leaves room for a generated token, and one sample at its longest fits
@@ -337,8 +352,9 @@ class LLMEngine:
         self._start_compiled_grammars(touched)
         proposing = self.speculation is not None and self.speculation.proposes_for(len(self.scheduler.running))
         pipelined = self.config.pipeline_parallel_size > 1
-        if (self.scheduler.num_guided_running and not pipelined) or proposing:
-            # A grammar's mask, and a proposal, need the tokens before them on the host: steps
+        if (self.scheduler.num_needing_host_tokens and not pipelined) or proposing:
+            # A grammar's mask (or a multi-token bad word's), and a proposal, need the tokens
+            # before them on the host: steps
             # in flight complete first, so steps run one at a time. (Pipelined, Orca's rule
             # already schedules a sequence only once its last batch has returned.)
             while self._in_flight:
@@ -482,15 +498,20 @@ class LLMEngine:
                 stops[i] = self._advance_grammar(seq, token)
         return stops
 
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int):
+    def _advance_grammar(self, seq: Sequence, token: int):
         """Feed a constrained sequence's new token to its matcher: it stops once the grammar
-        is complete (nothing but the end can follow), without spending a step on EOS."""
-        if not seq.guided.accept(token):  # the step's mask forbids this: a bug, not the request's fault
-            logger.error("sequence %d: token %d refused by its grammar (%s); stopping it", seq.seq_id, token,
-                         seq.guided.error.split("\n")[0])
-            return ("stop", None)
-        return ("stop", None) if seq.guided.finished else None
+        is complete (nothing but the end can follow), without spending a step on EOS. If the
+        matcher refuses the token or gives up, the output cannot satisfy its constraint: the
+        request fails with CONSTRAINT_FAILED (never a normal stop)."""
+        accepted = seq.guided.accept(token)
+        if accepted and not seq.guided.failed:
+            return ("stop", None) if seq.guided.finished else None
+        reason = _first_line(seq.guided.error) or f"token {token} refused"
+        logger.error("sequence %d: its output constraint failed (%s); failing its request", seq.seq_id, reason)
+        request = self.requests.get(seq.request_id)
+        if request is not None and request.error is None:
+            request.error = f"{CONSTRAINT_FAILED}: {reason}"
+        return ("abort", None)
 
     def _record_new_tokens(self, result: StepResult) -> list[Request]:
         """First-token times and log-probabilities of the sequences that got a token; the
@@ -555,3 +576,7 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+
+def _first_line(message: str) -> str:
+    return message.split("\n")[0].strip()

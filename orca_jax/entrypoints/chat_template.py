@@ -21,13 +21,23 @@ Conversation = list[dict]
 
 
 def apply_chat_template(tokenizer, conversation: Conversation, add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None, call_format: str = "hermes") -> list[int]:
+                        tools: list[dict] | None = None, call_format: str = "hermes", *,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids of a conversation under the tokenizer's chat template (shared by
-    LLM.chat, the CLI and the server). `tools`: OpenAI tool dicts the model may call."""
-    template = getattr(tokenizer, "chat_template", None)
+    LLM.chat, the CLI and the server). `tools`: OpenAI tool dicts the model may call.
+    `chat_template` replaces the tokenizer's; `template_kwargs` are extra template variables
+    (vLLM's chat_template_kwargs: Qwen3's enable_thinking, say). `continue_final_message`: the
+    prompt ends inside the last message, so the model continues it (vLLM's rule: not with
+    add_generation_prompt)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    kwargs = {}
+    kwargs = dict(template_kwargs or {})
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     if template_knows_tools(template):
         if tools:
             kwargs["tools"] = tools
@@ -35,8 +45,20 @@ def apply_chat_template(tokenizer, conversation: Conversation, add_generation_pr
         conversation = conversation_without_tool_roles(conversation, tools or [], call_format)
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                                          **kwargs)
+    if continue_final_message:
+        text = _cut_after_final_message(text, conversation[-1].get("content") or "")
     # The template writes its own special tokens: do not add a second BOS.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered conversation up to the end of its last message's content: whatever the
+    template writes after it (an end-of-turn token) is dropped, so generation continues it."""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the final message's content "
+                         "as given")
+    return text[:at + len(final.strip())]
 
 
 def template_knows_tools(template: str) -> bool:

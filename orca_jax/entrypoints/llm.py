@@ -72,18 +72,29 @@ class LLM:
         messages: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation (with the OpenAI-style `tools`
-        it may call, if any), then generate."""
+        """Apply the chat template (the model's, or `chat_template`) to each conversation,
+        with the OpenAI-style `tools` it may call and `chat_template_kwargs` as template
+        variables, then generate (vLLM's LLM.chat arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template=chat_template,
+                                            continue_final_message=continue_final_message,
+                                            chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, *, chat_template: str | None = None,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt, tools,
+                                   continue_final_message=continue_final_message, chat_template=chat_template,
+                                   template_kwargs=chat_template_kwargs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 
 from orca_jax.engine.async_engine import (AsyncLLMEngine, EngineStoppedError, QueueFullError, RequestFailedError,
                                    RequestStream)
-from orca_jax.errors import RequestError
+from orca_jax.errors import CONSTRAINT_FAILED, RequestError
 from orca_jax.entrypoints.chat_template import apply_chat_template
 from orca_jax.entrypoints.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
 from orca_jax.engine.outputs import CompletionOutput, RequestOutput
-from orca_jax.entrypoints.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, OpenAIError, SamplingRequest,
-                               bad_request, request_error_to_openai)
+from orca_jax.entrypoints.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, DetokenizeRequest,
+                                           OpenAIError, SamplingRequest, TokenizeRequest,
+                                           bad_request, request_error_to_openai)
 from orca_jax.core.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
@@ -84,8 +85,12 @@ class EventStream:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
-                 on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None):
+                 on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None,
+                 chat_template: str | None = None, default_chat_template_kwargs: dict | None = None):
         self.engine = engine
+        # --chat-template and --default-chat-template-kwargs: a request's own fields win.
+        self.chat_template = chat_template
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         # The --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses
         # the reply with it (orca_jax.entrypoints.chat_tools).
         self.auto_tool_parser = auto_tool_parser
@@ -104,7 +109,7 @@ class OpenAIServing:
         params = _constrained(params, request, names)
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
-            self._check_room(len(ids), params.max_tokens, "max_tokens")
+            self._check_room(self._kept_length(len(ids), params.truncate_prompt_tokens), params.max_tokens, "max_tokens")
         submitted = await self._submit("cmpl", prompt_ids, params, names, request.cache_salt)
         # Echoed token-id prompts are decoded only now, once the engine has checked their range.
         try:
@@ -139,6 +144,8 @@ class OpenAIServing:
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = {"id": submitted.request_id, "object": "text_completion", "created": submitted.created,
                     "model": self.model_name, "choices": choices}
+            if usage is None and request.usage_in_every_chunk:  # vLLM's continuous_usage_stats
+                usage = _usage(submitted)
             if usage is not None:
                 body["usage"] = usage
             return _sse(body)
@@ -204,10 +211,10 @@ class OpenAIServing:
         # that leaves no room is refused by the engine, so 1 is only a placeholder then.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self._room(len(prompt_ids)))
+            max_tokens = max(1, self._room(self._kept_length(len(prompt_ids), request.truncate_prompt_tokens)))
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
         params = _constrained(params, request, names, plan)
-        self._check_room(len(prompt_ids), params.max_tokens, request.max_tokens_field)
+        self._check_room(self._kept_length(len(prompt_ids), params.truncate_prompt_tokens), params.max_tokens, request.max_tokens_field)
         submitted = await self._submit("chatcmpl", [prompt_ids], params, names, request.cache_salt)
         submitted.prompt_texts = [""]
         if request.stream:
@@ -225,10 +232,18 @@ class OpenAIServing:
 
     def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
+        kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
         try:
-            return apply_chat_template(self.tokenizer, conversation, tools=plan.tools, call_format=plan.call_format)
-        except ValueError as exc:  # no template
-            raise bad_request(str(exc), "messages") from None
+            return apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=plan.tools,
+                                       call_format=plan.call_format,
+                                       continue_final_message=request.continue_final_message,
+                                       chat_template=request.chat_template or self.chat_template,
+                                       template_kwargs=kwargs)
+        except ValueError as exc:  # no template, or a final message the template does not render
+            raise bad_request(str(exc), "continue_final_message" if request.continue_final_message else "messages") \
+                from None
+        except TypeError as exc:  # a chat_template_kwargs name that clashes with the template's own arguments
+            raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         except Exception as exc:  # noqa: BLE001 - the template itself refused the conversation
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
@@ -237,6 +252,8 @@ class OpenAIServing:
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = {"id": submitted.request_id, "object": "chat.completion.chunk", "created": submitted.created,
                     "model": self.model_name, "choices": choices}
+            if usage is None and request.usage_in_every_chunk:  # vLLM's continuous_usage_stats
+                usage = _usage(submitted)
             if usage is not None:
                 body["usage"] = usage
             return _sse(body)
@@ -296,11 +313,50 @@ class OpenAIServing:
             })
         return {"content": content}
 
+    # ---- /tokenize, /detokenize --------------------------------------------------------------
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the prompt's token ids (a conversation's through the chat template)."""
+        self._check_optional_model(request.model)
+        if request.messages is not None:
+            conversation = [m.as_template_dict() for m in request.messages]
+            tools = [t.as_template_dict() for t in request.tools or []] or None
+            kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+            try:
+                ids = apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=tools,
+                                          continue_final_message=request.continue_final_message,
+                                          chat_template=request.chat_template or self.chat_template,
+                                          template_kwargs=kwargs)
+            except (ValueError, TypeError) as exc:
+                raise bad_request(str(exc), "messages") from None
+        else:
+            ids = list(self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self._check_optional_model(request.model)
+        vocab_size = self.engine.engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}
+
+    def _check_optional_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                              param="model", code="model_not_found")
+
     # ---- shared -------------------------------------------------------------------------------
     def _check_model(self, request: SamplingRequest) -> None:
         if request.model != self.model_name:
             raise OpenAIError(404, f"the model '{request.model}' does not exist; this server serves "
                               f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def _kept_length(self, num_prompt_tokens: int, keep: int | None) -> int:
+        """The prompt's length once the engine applies truncate_prompt_tokens (`keep`)."""
+        if not isinstance(keep, int) or keep == 0 or keep < -1:  # SamplingParams refuses these
+            return num_prompt_tokens
+        return min(num_prompt_tokens, self.max_model_len if keep == -1 else keep)
 
     def _room(self, num_prompt_tokens: int) -> int:
         """How many tokens can follow a prompt in the context."""
@@ -398,6 +454,14 @@ def _usage(submitted: _Submitted) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _failure_error(message: str) -> OpenAIError:
+    """A request that failed in the engine: a constraint the output could not satisfy is the
+    request's own problem (400, the constraint named), anything else the server's (500)."""
+    if message.startswith(CONSTRAINT_FAILED):
+        return OpenAIError(400, message, param="structured_outputs", code="constraint_failed")
+    return OpenAIError(500, f"the request failed in the engine: {message}", code="engine_error")
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -418,7 +482,7 @@ async def _stream_outputs(submitted: _Submitted, wait_for_disconnect: WaitForDis
             async for output in stream:
                 await queue.put((p, output))
         except RequestFailedError as exc:
-            await queue.put((p, OpenAIError(500, f"the request failed in the engine: {exc}", code="engine_error")))
+            await queue.put((p, _failure_error(str(exc))))
         finally:
             await queue.put((p, None))
 

@@ -136,6 +136,16 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only the last
+
+
+# vLLM request fields that change the answer and that this server does not implement: refused
+# by name (400) when given a value other than their no-op default, never silently dropped.
+UNSUPPORTED_FIELDS = {
+    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "logits_processors": None,
+    "return_tokens_as_token_ids": False, "documents": None, "mm_processor_kwargs": None,
+    "kv_transfer_params": None, "vllm_xargs": None, "priority": 0, "allowed_token_ids_per_step": None,
+}
 
 
 def _is_token_id(value: Any) -> bool:
@@ -160,6 +170,13 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's token rules and detokenization fields (SamplingParams checks their values).
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -175,6 +192,15 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
     # vLLM's extension: requests share prefix-cache pages only with requests of the same salt.
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_fields(cls, body):
+        if isinstance(body, dict):
+            for field, default in UNSUPPORTED_FIELDS.items():
+                if field in body and body[field] != default:
+                    raise RequestError(f"{field} is not supported by this server", field)
+        return body
 
     @field_validator("cache_salt", mode="before")
     @classmethod
@@ -262,7 +288,12 @@ class SamplingRequest(StrictModel):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises RequestError (naming the SamplingParams field) for a value out of range."""
@@ -273,6 +304,10 @@ class SamplingRequest(StrictModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
@@ -370,6 +405,9 @@ class ChatMessage(StrictModel):
             raise RequestError(f"a {self.role!r} message needs content", "content", "missing_required_parameter")
         if self.tool_calls and self.role != "assistant":
             raise RequestError("only an assistant message can carry tool_calls", "tool_calls")
+        if self.role == "tool" and not self.tool_call_id:  # OpenAI's rule: it answers a call
+            raise RequestError("a 'tool' message needs the tool_call_id of the call it answers", "tool_call_id",
+                               "missing_required_parameter")
         return self
 
     @property
@@ -449,6 +487,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     functions: list | None = None
     function_call: str | dict | None = None
+    # Chat rendering as vLLM does it: template variables, the generation prompt, continuing
+    # the last message instead of answering it, and a template of the request's own.
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -482,6 +526,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _fields_that_need_others(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true; set "
+                               "add_generation_prompt to false to continue the last message", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
@@ -519,6 +566,38 @@ class ChatCompletionRequest(SamplingRequest):
         """What an echoed reply starts with: the last message's content if the assistant wrote it."""
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else ""
+
+
+# ---- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
+class TokenizeRequest(StrictModel):
+    """A prompt (`prompt`), or a conversation (`messages`) rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give either prompt or messages", "prompt", "missing_required_parameter")
+        if self.messages is not None and not self.messages:
+            raise RequestError("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                               "continue_final_message")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- parsing a body --------------------------------------------------------------------------

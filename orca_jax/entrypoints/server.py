@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import copy
 import hmac
+import importlib.metadata
 import logging
 import signal
 import time
@@ -36,8 +37,9 @@ from orca_jax.engine.engine import LLMEngine
 from orca_jax.entrypoints.metrics import ServerMetrics
 from orca_jax.entrypoints.openai_serving import EventStream, OpenAIServing
 from orca_jax.errors import RequestError
-from orca_jax.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, parse_request,
-                               request_error_to_openai)
+from orca_jax.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
+                                           TokenizeRequest, error_body, parse_request,
+                                           request_error_to_openai)
 from orca_jax.entrypoints.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,10 @@ class ServerSettings:
     # Tool calling (orca_jax.entrypoints.chat_tools): tool_choice "auto" needs both, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --chat-template (the template's text, or a file holding it) and
+    # --default-chat-template-kwargs (template variables every chat request starts from).
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict | None = None
 
     def __post_init__(self):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -130,6 +136,14 @@ class LimitRequestBody:
         await self.app(scope, replaying_receive, send)
 
 
+def orca_jax_version() -> str:
+    """The installed distribution's version (what vLLM's /version reports for itself)."""
+    try:
+        return importlib.metadata.version("orca_jax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 # ---- the app -----------------------------------------------------------------------------------
 def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI app over a not yet started AsyncLLMEngine; the app's lifespan starts it and
@@ -137,7 +151,8 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     engine = async_engine.engine
     serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), settings.model_name,
                             engine.config.max_model_len, on_reject=metrics.reject,
-                            auto_tool_parser=settings.auto_tool_parser)
+                            auto_tool_parser=settings.auto_tool_parser, chat_template=settings.chat_template,
+                            default_chat_template_kwargs=settings.default_chat_template_kwargs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -161,18 +176,41 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
         request = parse_request(ChatCompletionRequest, await raw.body())
         return _respond(await serving.chat(request, _disconnect_waiter(raw)))
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
+    def model_card() -> dict:
+        return {
             "id": settings.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "orca_jax", "root": engine.config.model, "max_model_len": engine.config.max_model_len,
             # Beyond OpenAI's fields (like vLLM's max_model_len): what a load generator needs
             # to draw valid random prompts without the tokenizer (`orca-jax bench serve`).
             "vocab_size": engine.model_config.vocab_size,
             "special_token_ids": sorted(set(getattr(engine.tokenizer, "all_special_ids", ()))),
-        }]}
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: served names may hold a slash (org/name)
+    async def model(model_id: str):
+        if model_id != settings.model_name:
+            raise OpenAIError(404, f"the model '{model_id}' does not exist; this server serves "
+                              f"'{settings.model_name}'", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return serving.tokenize(parse_request(TokenizeRequest, await raw.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return serving.detokenize(parse_request(DetokenizeRequest, await raw.body()))
+
+    @app.get("/version")
+    async def version():
+        return {"version": orca_jax_version()}
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD for probes that send it (curl -I, load balancers)
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness probe
     async def health():
         if not async_engine.is_running:
             return _error_response(503, "the engine is not running", "engine_not_running")

@@ -36,7 +36,7 @@ class Proposer(Protocol):
 
 
 def can_speculate(seq: Sequence) -> bool:
-    return seq.guided is None and not seq.params.uses_penalties
+    return seq.guided is None and seq.token_rules is None and not seq.params.uses_penalties
 
 
 class Speculation:

@@ -10,10 +10,12 @@ each constrained sequence gets a matcher, and each step gets one token bitmask.
     GuidedState                        one sequence's matcher: advanced by every token the
                                        sequence appends (the engine's stop rule), never by a
                                        step's discarded token, and kept through preemption
-    step_token_bitmask(scheduled, S, V)  the step's guided rows and its i32[S, ceil(V / 32)]
+    step_token_bitmask(scheduled, S, V)  the step's masked rows and its i32[S, ceil(V / 32)]
                                        allowed-token bitmask (bit v of word v // 32 is token v),
                                        all ones for free rows; the matchers' masks are
-                                       computed in parallel, in Rust (fill_token_bitmask)
+                                       computed in parallel, in Rust (fill_token_bitmask), then
+                                       the token rules of orca_jax.structured.token_rules
+                                       (allowed_token_ids, bad_words, min_tokens) applied
 
 The step program masks the logits of the rows flagged guided (orca_jax.worker.sampling), so one
 compiled program serves every mix of constrained and free rows.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,8 +73,47 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
-        return llg.grammar_from("choice", json.dumps(list(params.choice)))
+        # As one regex (a lexer-level automaton), not a grammar rule with an alternative per
+        # choice: llguidance's parser allows 2,000 items in a row, and a longer choice list
+        # would end the output after its first token.
+        return llg.LLMatcher.grammar_from_regex(choice_regex(params.choice))
     return llg.grammar_from("grammar", params.grammar)  # Lark or GBNF
+
+
+def choice_regex(choices) -> str:
+    """A regex matching exactly the given strings, built as their prefix trie so that shared
+    prefixes are spelled once ("cat", "car" -> "ca(?:r|t)")."""
+    trie: dict = {}
+    for choice in choices:
+        node = trie
+        for ch in choice:
+            node = node.setdefault(ch, {})
+        node[None] = {}  # a choice ends here
+
+    def pattern(node: dict) -> str:
+        # A chain of single-child nodes is one literal: spelled in a loop, not by recursion.
+        literal = []
+        while len(node) == 1 and None not in node:
+            (ch, node), = node.items()
+            literal.append(_escape(ch))
+        ends_here = None in node
+        branches = [_escape(ch) + pattern(child) for ch, child in sorted(node.items(), key=lambda kv: kv[0] or "")
+                    if ch is not None]
+        if not branches:
+            return "".join(literal)
+        group = branches[0] if len(branches) == 1 and not ends_here else "(?:" + "|".join(branches) + ")"
+        return "".join(literal) + group + ("?" if ends_here else "")
+
+    return pattern(trie)
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _escape(ch: str) -> str:
+    """One character as a regex literal: only metacharacters are escaped (Rust's regex
+    syntax, which llguidance follows, refuses escapes of ordinary characters)."""
+    return "\\" + ch if ch in _REGEX_META else ch
 
 
 def checked_grammar_text(params: StructuredOutputsParams, llg_tokenizer=None) -> str:
@@ -113,7 +153,13 @@ class GuidedState:
     @property
     def finished(self) -> bool:
         """Nothing but the end can follow (the grammar is complete)."""
-        return bool(self.matcher.is_stopped())
+        return bool(self.matcher.is_stopped()) and not self.failed
+
+    @property
+    def failed(self) -> bool:
+        """The matcher gave up (a limit of its parser passed): the output so far does not
+        satisfy the constraint, and no further token can be checked."""
+        return bool(self.matcher.is_error())
 
     @property
     def error(self) -> str:
@@ -221,24 +267,36 @@ def fill_token_bitmask(rows: list[tuple[int, GuidedState]], num_rows: int, vocab
 
 
 def step_token_bitmask(scheduled, num_rows: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A step's (guided bool[num_rows], token_bitmask i32[num_rows, W]) for a ScheduledBatch: a
-    row is guided when it samples for a constrained sequence. Without guided rows the bitmask
-    is a shared read-only all-ones array."""
-    guided = np.zeros(num_rows, bool)
-    rows = []
+    """A step's (masked bool[num_rows], token_bitmask i32[num_rows, W]) for a ScheduledBatch: a
+    row is masked when it samples for a constrained sequence, or for one whose token rules
+    (orca_jax.structured.token_rules) are in force at this token. Without masked rows the
+    bitmask is a shared read-only all-ones array."""
+    masked = np.zeros(num_rows, bool)
+    grammar_rows, rule_rows = [], []
     for row, (seq, samples_now) in enumerate(zip(scheduled.seqs, scheduled.samples)):
-        if samples_now and seq.guided is not None:
-            # Tokens sampled by earlier steps and not yet on the host (schedule() counted this
-            # row's own): the matcher would be behind the device.
-            earlier_pending = seq.num_pending - scheduled.pending_counted
-            if earlier_pending or seq.guided.num_consumed != len(seq.output_token_ids):
-                raise RuntimeError(f"sequence {seq.seq_id}: its grammar is behind its tokens (a constrained "
-                                   "sequence was scheduled while its last token was still on the device)")
-            guided[row] = True
-            rows.append((row, seq.guided))
-    if not rows:
-        return guided, all_allowed_bitmask(num_rows, vocab_size)
-    return guided, fill_token_bitmask(rows, num_rows, vocab_size)
+        if not samples_now or (seq.guided is None and seq.token_rules is None):
+            continue
+        # Tokens sampled by earlier steps and not yet on the host (schedule() counted this
+        # row's own): a matcher, or a rule that reads the output, would be behind the device.
+        earlier_pending = seq.num_pending - scheduled.pending_counted
+        num_output = len(seq.output_token_ids) + earlier_pending
+        if seq.needs_host_tokens and (earlier_pending or (seq.guided is not None
+                                                           and seq.guided.num_consumed != len(seq.output_token_ids))):
+            raise RuntimeError(f"sequence {seq.seq_id}: its mask is behind its tokens (a sequence whose mask reads "
+                               "its output was scheduled while its last token was still on the device)")
+        if seq.guided is not None:
+            grammar_rows.append((row, seq.guided))
+            masked[row] = True
+        if seq.token_rules is not None and seq.token_rules.in_force(num_output):
+            rule_rows.append((row, seq, num_output))
+            masked[row] = True
+    if not masked.any():
+        return masked, all_allowed_bitmask(num_rows, vocab_size)
+    mask = (fill_token_bitmask(grammar_rows, num_rows, vocab_size) if grammar_rows
+            else np.full((num_rows, bitmask_words(vocab_size)), ALL_ALLOWED, np.int32))
+    for row, seq, num_output in rule_rows:
+        seq.token_rules.apply(mask[row], seq.output_token_ids, num_output)
+    return masked, mask
 
 
 @functools.lru_cache(maxsize=32)

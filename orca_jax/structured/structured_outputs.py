@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from orca_jax.errors import RequestError
 
 CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+# A choice list becomes one regex (orca_jax.structured.guided_decoding.choice_regex); past this
+# many alternatives its automaton takes seconds to build, so longer lists are refused up front.
+MAX_CHOICES = 20_000
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class StructuredOutputsParams:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise RequestError("choice must be a non-empty list of non-empty strings", "structured_outputs.choice")
+            if len(self.choice) > MAX_CHOICES:
+                raise RequestError(f"choice has {len(self.choice)} alternatives; at most {MAX_CHOICES} are supported",
+                                   "structured_outputs.choice")
             object.__setattr__(self, "choice", tuple(self.choice))
         for flag in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, flag), bool):

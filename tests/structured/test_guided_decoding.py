@@ -79,7 +79,7 @@ def leave_engine_clean(request):
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.allocator.num_used == 0, "KV pages leaked"
-        assert engine.scheduler.num_guided_running == 0
+        assert engine.scheduler.num_needing_host_tokens == 0
 
 
 def run(engine, requests: list[tuple[str, str, SamplingParams]]) -> dict:
@@ -245,3 +245,56 @@ def test_grammars_naming_tokens_are_checked_against_the_vocabulary_once_it_is_bu
     with pytest.raises(RequestError) as error:
         engine.add_request("tokens", PROMPTS[0], SamplingParams(structured_outputs=Constraint(grammar=grammar)))
     assert error.value.param == "structured_outputs.grammar" and not engine.requests
+
+
+# ---- long choice lists, and a matcher that gives up ---------------------------------------------
+def test_choice_regex_matches_exactly_its_choices(engine):
+    """Metacharacters, spaces, unicode, and a choice that is a prefix of another: each is
+    accepted whole, and nothing else is."""
+    import llguidance
+
+    from orca_jax.structured.guided_decoding import choice_regex
+
+    choices = ["a.b", "a.b+c", "(x|y)*", "[1-2]{3}", "back\\slash", "tab\there", "naïve café", "$^#&-~", "a"]
+    grammar = llguidance.LLMatcher.grammar_from_regex(choice_regex(choices))
+    template = llguidance.LLMatcher(engine.grammars.llg_tokenizer(), grammar, log_level=0)
+    assert not template.is_error(), template.get_error()
+    tokenizer = engine.tokenizer
+    for choice in choices:
+        matcher = template.deep_copy()
+        assert all(matcher.consume_token(t) for t in tokenizer.encode(choice)), (choice, matcher.get_error())
+        assert matcher.is_accepting(), choice
+    for other in ["a.", "ab", "xy", "a.bc", "naive"]:
+        matcher = template.deep_copy()
+        ok = all(matcher.consume_token(t) for t in tokenizer.encode(other))
+        assert not (ok and matcher.is_accepting()), other
+
+
+def test_three_thousand_choices_give_one_of_them(engine):
+    """Past llguidance's 2,000 items in a parser row: a grammar with an alternative per choice
+    ended after one token; the choice regex has no such row."""
+    choices = [f"item-{i:04d}" for i in range(3000)]
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=i, structured_outputs=Constraint(choice=choices))
+              for i, t in enumerate((0.0, 1.0, 1.0))]
+    final = run(engine, [(f"many-{i}", PROMPTS[i], p) for i, p in enumerate(params)])
+    for out in final.values():
+        assert out.error is None and out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text in choices, out.outputs[0].text
+
+
+def test_a_matcher_that_gives_up_fails_its_request_not_stops_it(engine):
+    """A Lark rule with 2,500 alternatives passes llguidance's row limit at the first token:
+    the request ends with the constraint's error (never finish_reason "stop" with text the
+    constraint refuses); the request beside it is untouched."""
+    from orca_jax.errors import CONSTRAINT_FAILED
+
+    grammar = "start: " + " | ".join(f'"w{i:04d}"' for i in range(2500))
+    final = run(engine, [
+        ("gives-up", PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0,
+                                                structured_outputs=Constraint(grammar=grammar))),
+        ("free", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+    ])
+    failed = final["gives-up"]
+    assert failed.error is not None and failed.error.startswith(CONSTRAINT_FAILED), failed.error
+    assert failed.outputs[0].finish_reason != "stop"
+    assert final["free"].error is None and len(final["free"].outputs[0].token_ids) == 6

@@ -53,7 +53,7 @@ class SchedulerBase:
         self.num_accepted_tokens = 0
         # Running sequences under a grammar: while any runs, the engine completes each step
         # before it dispatches the next (a mask needs the token before it).
-        self.num_guided_running = 0
+        self.num_needing_host_tokens = 0  # running sequences whose mask reads their tokens
         # Prefix cache lookups at admission, in tokens (vLLM's queries / hits counters).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -331,12 +331,12 @@ class SchedulerBase:
         seq.slot_joined = True
         self.running.append(seq)
         self._running_requests[seq.request_id] += 1
-        self.num_guided_running += seq.guided is not None
+        self.num_needing_host_tokens += seq.needs_host_tokens
 
     def _leave_running(self, seq: Sequence) -> None:
         self.slots.release(seq.slot)
         seq.slot = None
-        self.num_guided_running -= seq.guided is not None
+        self.num_needing_host_tokens -= seq.needs_host_tokens
         _decrement(self._running_requests, seq.request_id)
 
     def max_len(self, seq: Sequence) -> int:

@@ -1,0 +1,208 @@
+"""vLLM's request fields beyond OpenAI's, chat rendering options, and the small endpoints, on
+the tiny random Llama through the server: each field changes the output the way it says (a
+server that dropped it would fail the test), and each bad value is a 400 naming the field.
+
+One server serves the module, started with a chat template of its own (--chat-template) and
+a default template variable (--default-chat-template-kwargs), so both are under test too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from orca_jax.entrypoints.server import ServerSettings, build_app
+
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox"
+# The tiny tokenizer's own template, plus a variable the server sets by default.
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant: {% endif %}{% if shout %}HEY {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_engine_factory, serve_in_thread, server_idle_waiter):
+    engine = tiny_engine_factory()
+    settings = ServerSettings(MODEL, chat_template=TEMPLATE, default_chat_template_kwargs={"shout": True})
+    async_engine, app = build_app(engine, settings)
+    with serve_in_thread(app) as url:
+        yield url, engine, server_idle_waiter(async_engine)
+
+
+@pytest.fixture(autouse=True)
+def server_left_idle(live):
+    yield
+    live[2]()
+    assert live[1].allocator.num_used == 0
+
+
+def post(live, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{live[0]}{path}", content=json.dumps(body), timeout=60,
+                      headers={"Content-Type": "application/json"})
+
+
+def complete(live, **fields) -> dict:
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0) | fields
+    response = post(live, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def refused(live, path: str, body: dict) -> dict:
+    response = post(live, path, body)
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+def tokenize(live, **body) -> list[int]:
+    response = post(live, "/tokenize", body)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+# ---- sampling fields ---------------------------------------------------------------------------
+def test_min_tokens_keeps_a_stop_token_from_ending_the_reply(live):
+    first = complete(live, max_tokens=1)["choices"][0]["text"]
+    stop_id = tokenize(live, prompt=first, add_special_tokens=False)[0]
+    stopped = complete(live, stop_token_ids=[stop_id])
+    assert stopped["usage"]["completion_tokens"] == 1
+    held = complete(live, stop_token_ids=[stop_id], min_tokens=5)
+    assert held["usage"]["completion_tokens"] >= 5
+
+
+def test_allowed_token_ids_bound_every_token(live):
+    allowed = tokenize(live, prompt=" over the lazy dog", add_special_tokens=False)
+    out = complete(live, allowed_token_ids=allowed, logprobs=0, temperature=1.0, seed=4, ignore_eos=True)
+    texts = {live[1].tokenizer.decode([t]) for t in allowed}
+    tokens = out["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8 and set(tokens) <= texts, (tokens, texts)
+
+
+def test_bad_words_change_the_reply(live):
+    free = complete(live, ignore_eos=True)["choices"][0]["text"]
+    word = free.split()[0]
+    banned = complete(live, ignore_eos=True, bad_words=[word])["choices"][0]["text"]
+    assert banned != free and not banned.lstrip().startswith(word), (word, free, banned)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(live):
+    bos = live[1].tokenizer.bos_token_id
+    fields = dict(allowed_token_ids=[bos], max_tokens=3, ignore_eos=True)
+    assert complete(live, **fields)["choices"][0]["text"] == ""
+    assert complete(live, skip_special_tokens=False, **fields)["choices"][0]["text"] == "<s>" * 3
+
+
+def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(live):
+    ids = tokenize(live, prompt="The quick brown fox jumps over the lazy dog")
+    out = complete(live, prompt=ids, truncate_prompt_tokens=3)
+    assert out["usage"]["prompt_tokens"] == 3
+    assert out["choices"][0]["text"] == complete(live, prompt=ids[-3:])["choices"][0]["text"]
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(live):
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, ignore_eos=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = []
+    with httpx.stream("POST", f"{live[0]}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    assert chunks and all("usage" in c for c in chunks)
+    completion_counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion_counts == sorted(completion_counts) and completion_counts[-1] == 4
+
+
+@pytest.mark.parametrize("field, value", [
+    ("min_tokens", -1), ("min_tokens", 99), ("bad_words", [" "]), ("allowed_token_ids", []),
+    ("allowed_token_ids", [10 ** 6]), ("truncate_prompt_tokens", 0), ("spaces_between_special_tokens", False),
+    ("prompt_logprobs", 1), ("use_beam_search", True), ("priority", 3), ("logit_bias", {"5": 10}),
+])
+def test_bad_or_unsupported_values_are_refused_naming_the_field(live, field, value):
+    for path, body in (("/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=8)),
+                       ("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=8))):
+        error = refused(live, path, body | {field: value})
+        assert error["param"] == field, (path, error)
+
+
+# ---- chat rendering ----------------------------------------------------------------------------
+CHAT = [{"role": "user", "content": "Paris is the capital of"}]
+
+
+def chat_prompt(live, **fields) -> str:
+    return live[1].tokenizer.decode(tokenize(live, messages=fields.pop("messages", CHAT), **fields))
+
+
+def test_the_servers_template_and_default_kwargs_render_the_prompt(live):
+    assert chat_prompt(live) == "<s>user: Paris is the capital of</s><s>assistant: HEY "
+    assert chat_prompt(live, chat_template_kwargs={"shout": False}).endswith("<s>assistant: ")
+    assert chat_prompt(live, add_generation_prompt=False) == "<s>user: Paris is the capital of</s>HEY "
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert chat_prompt(live, chat_template=own) == "[Paris is the capital of]"
+
+
+def test_chat_fields_reach_the_engines_prompt(live):
+    def prompt_tokens(**fields) -> int:
+        response = post(live, "/v1/chat/completions", dict(model=MODEL, messages=CHAT, max_tokens=1) | fields)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    base = prompt_tokens()
+    assert base == len(tokenize(live, messages=CHAT))
+    assert prompt_tokens(chat_template_kwargs={"shout": False}) < base
+    assert prompt_tokens(add_generation_prompt=False) < base
+
+
+def test_continue_final_message_ends_the_prompt_inside_it(live):
+    messages = CHAT + [{"role": "assistant", "content": "Once upon"}]
+    assert chat_prompt(live, messages=messages, add_generation_prompt=False,
+                       continue_final_message=True).endswith("<s>assistant: Once upon")
+    body = dict(model=MODEL, messages=messages, continue_final_message=True, max_tokens=2)
+    assert refused(live, "/v1/chat/completions", body)["param"] == "continue_final_message"
+
+
+def test_a_tool_message_needs_its_call_id(live):
+    messages = CHAT + [{"role": "tool", "content": "42"}]
+    error = refused(live, "/v1/chat/completions", dict(model=MODEL, messages=messages, max_tokens=2))
+    assert error["param"] == "messages.1.tool_call_id"
+
+
+# ---- a constraint the matcher gives up on -------------------------------------------------------
+def test_a_failed_constraint_is_an_error_not_a_stop(live):
+    grammar = "start: " + " | ".join(f'"w{i:04d}"' for i in range(2500))
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, structured_outputs={"grammar": grammar})
+    error = refused(live, "/v1/completions", body)
+    assert error["code"] == "constraint_failed"
+    events = []
+    with httpx.stream("POST", f"{live[0]}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert events[-1]["error"]["code"] == "constraint_failed"
+    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", []))
+
+
+# ---- endpoints ---------------------------------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip(live):
+    response = post(live, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert response["tokens"] == live[1].tokenizer.encode(PROMPT)
+    assert response["count"] == len(response["tokens"]) and response["max_model_len"] == live[1].config.max_model_len
+    assert len(response["token_strs"]) == response["count"]
+    assert post(live, "/detokenize", {"tokens": response["tokens"]}).json() == {"prompt": live[1].tokenizer.decode(
+        response["tokens"])}
+    assert refused(live, "/detokenize", {"tokens": [10 ** 6]})["param"] == "tokens"
+    assert refused(live, "/tokenize", {"model": MODEL})["param"] == "prompt"
+    assert post(live, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_version_ping_and_one_model(live):
+    url = live[0]
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
