@@ -196,7 +196,8 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
                 seeds=np.arange(S, dtype=np.uint32), sampling=sampling, page_writes=page_writes,
                 num_seqs=np.array([num_rows], np.int32),
                 token_bitmask=np.array(all_allowed_bitmask(S, config.vocab_size)),  # no constrained row
-                row_drafts=np.zeros(S, np.int32))  # no speculation
+                row_drafts=np.zeros(S, np.int32),  # no speculation
+                prompt_targets=np.full(T, -1, np.int32))  # no prompt log-probabilities
 
 
 def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int = 0):

@@ -34,7 +34,7 @@ ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_seq
                 "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                 "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
-                "model_cache_dir", "speculative_config")
+                "model_cache_dir", "speculative_config", "max_logprobs")
 # Flags that turn a cache off: they set the field to None, which "not given" cannot express.
 CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_cache": "model_cache_dir"}
 
@@ -69,9 +69,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action="store_true",
                         help="accepted for vLLM compatibility: chunked prefill is always on (a long prompt "
                              "is prefilled in chunks that share steps with decodes)")
+    parser.add_argument("--max-logprobs", type=int, default=None,
+                        help="the most log-probabilities a request may ask for per token (logprobs, "
+                             f"top_logprobs, prompt_logprobs) (default: {EngineConfig.max_logprobs})")
     parser.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
                         help="ragged paged attention kernel; auto picks by backend (default: auto)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help=f"devices to shard the model over (default: {EngineConfig.tensor_parallel_size})")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                         help="pipeline stages: the layers split over this many groups of --tensor-parallel-size "
@@ -224,12 +227,16 @@ def cmd_serve(args) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         chat_template=read_chat_template(args.chat_template),
         default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
+        allowed_origins=parse_json_list(args.allowed_origins, "--allowed-origins"),
+        allowed_methods=parse_json_list(args.allowed_methods, "--allowed-methods"),
+        allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
     )
     logger.info("serving %r at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)",
                 settings.model_name, args.host, args.port)
     try:
         serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
-              log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout)
+              log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout,
+              ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
     finally:
         engine.shutdown()  # multi-host: the followers leave their loop and exit with us
     return 0
@@ -273,6 +280,18 @@ def parse_template_kwargs(value: str | None) -> dict | None:
     return kwargs
 
 
+def parse_json_list(value: str | None, flag: str) -> list[str] | None:
+    if value is None:
+        return None
+    try:
+        items = json.loads(value)
+    except ValueError as exc:
+        raise SystemExit(f"{flag} must be a JSON list of strings: {exc}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise SystemExit(f"{flag} must be a JSON list of strings")
+    return items
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     # The server's own defaults are applied in cmd_serve: importing orca_jax.entrypoints.server here (FastAPI,
     # pydantic: ~0.5 s) would charge every `generate` for a parser it does not use.
@@ -300,6 +319,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                         help='template variables every chat request starts from, e.g. \'{"enable_thinking": '
                              'false}\' (a request\'s chat_template_kwargs override them)')
+    parser.add_argument("--allowed-origins", default=None, metavar="JSON",
+                        help='CORS: origins browsers may call from, a JSON list (e.g. \'["*"]\'); default: no CORS')
+    parser.add_argument("--allowed-methods", default=None, metavar="JSON",
+                        help="CORS: allowed methods, a JSON list (default with --allowed-origins: all)")
+    parser.add_argument("--allowed-headers", default=None, metavar="JSON",
+                        help="CORS: allowed request headers, a JSON list (default with --allowed-origins: all)")
+    parser.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file (with --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (with --ssl-keyfile)")
+    parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves the API under")
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                         help="seconds to wait for open connections at shutdown")
     # Multi-host (jax.distributed): process 0 serves HTTP and schedules, the others follow.

@@ -64,6 +64,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top log-probabilities to return per sampled token
+    # Per prompt token (from the second): its log-probability and the top this many, computed in
+    # the prefill steps (orca_jax.worker.prompt_logprobs); the prompt is then never read from the
+    # prefix cache.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -111,6 +115,9 @@ class SamplingParams:
             ("n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
              f"logprobs must be None or an integer >= 0, got {self.logprobs!r}"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+             f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}"),
             ("presence_penalty", _in_range(self.presence_penalty, -2.0, 2.0),
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             ("frequency_penalty", _in_range(self.frequency_penalty, -2.0, 2.0),

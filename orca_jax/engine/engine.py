@@ -245,6 +245,7 @@ class LLMEngine:
                                "logprobs")
         if params.structured_outputs is not None:
             self.grammars.validate(params.structured_outputs)
+        self._check_prompt_logprobs(params)
         text, token_ids = self._tokenize(prompt)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         rules = TokenRules.build(params, self._encode_plain, self.eos_token_ids, self.model_config.vocab_size)
@@ -260,7 +261,20 @@ class LLMEngine:
                                    min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens)
             for _ in seqs
         ]
-        return Request(request_id, text, token_ids, params, seqs, detoks)
+        request = Request(request_id, text, token_ids, params, seqs, detoks)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
+        return request
+
+    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
+        if params.prompt_logprobs is None:
+            return
+        if not getattr(self.runner, "prompt_logprobs", False):
+            raise RequestError("prompt_logprobs are computed on one device only; this engine shards the model "
+                               "(tensor or pipeline parallelism)", "prompt_logprobs")
+        if params.prompt_logprobs > self.config.max_logprobs:
+            raise RequestError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
+                               f"{self.config.max_logprobs}", "prompt_logprobs")
 
     def _queue(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -464,6 +478,8 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.record(result.update.verified, len(result.scheduled))
         recording = time.perf_counter()
+        if result.output.prompt is not None:
+            self._record_prompt_logprobs(result)
         for request in self._record_new_tokens(result):
             touched[request.request_id] = request
         self._completed_timing = step.timing
@@ -512,6 +528,26 @@ class LLMEngine:
         if request is not None and request.error is None:
             request.error = f"{CONSTRAINT_FAILED}: {reason}"
         return ("abort", None)
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """Store the prompt log-probabilities the step computed, by prompt position (a
+        recomputed prompt after preemption writes the same values again)."""
+        computed = result.output.prompt
+        owners = _step_prompt_positions(result.scheduled)
+        if not owners:
+            return
+        rows = list(owners)
+        chosen = computed.target_logprobs[rows].tolist()
+        ids, lps = computed.top_ids[rows].tolist(), computed.top_logprobs[rows].tolist()
+        for j, t in enumerate(rows):
+            seq, position = owners[t]
+            request = self.requests.get(seq.request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            k = seq.params.prompt_logprobs
+            top = dict(zip(ids[j][:k], lps[j][:k]))
+            top[seq.prompt_token_ids[position]] = chosen[j]
+            request.prompt_logprobs[position] = top
 
     def _record_new_tokens(self, result: StepResult) -> list[Request]:
         """First-token times and log-probabilities of the sequences that got a token; the
@@ -580,3 +616,17 @@ class LLMEngine:
 
 def _first_line(message: str) -> str:
     return message.split("\n")[0].strip()
+
+
+def _step_prompt_positions(scheduled) -> dict[int, tuple[Sequence, int]]:
+    """Flattened token index -> (sequence, prompt position of the token it predicts), for the
+    tokens whose prompt log-probabilities the step computed (batch_state._prompt_targets)."""
+    owners, offset = {}, 0
+    for seq, start, num_new in zip(scheduled.seqs, scheduled.starts, scheduled.num_new):
+        if seq.params.prompt_logprobs is not None and seq.index == 0:
+            stop = min(start + num_new, seq.num_prompt_tokens - 1)
+            for i, position in enumerate(range(start, stop)):
+                owners[offset + i] = (seq, position + 1)
+        offset += num_new
+    return owners
+

@@ -46,6 +46,9 @@ class RequestOutput:
     # Prompt tokens found in the prefix cache when the request's first sample was admitted
     # (vLLM's name); None before that.
     num_cached_tokens: int | None = None
+    # vLLM's prompt_logprobs: per prompt token {token id: logprob} (None for the first); set
+    # only for a request that asked, once its prompt has been computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Shortcuts to the first sample, for the common n=1 case.
     @property
@@ -84,6 +87,8 @@ def merge_outputs(pending: RequestOutput, newer: RequestOutput, delta: bool) -> 
         merged.finished, merged.error, merged.finish_time = newer.finished, newer.error, newer.finish_time
         if newer.num_cached_tokens is not None:
             merged.num_cached_tokens = newer.num_cached_tokens
+        if newer.prompt_logprobs is not None:  # a delta stream carries them once
+            merged.prompt_logprobs = newer.prompt_logprobs
         if newer.first_token_time is not None:
             merged.first_token_time = newer.first_token_time
     return merged

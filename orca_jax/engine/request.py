@@ -81,6 +81,10 @@ class Request:
     error: str | None = None
     reported_tokens: list[int] = field(default_factory=list)  # per sample, tokens already handed out
     reported_logprobs: list[int] = field(default_factory=list)  # per sample, logprob dicts already handed out
+    # prompt_logprobs: per prompt token, {token id: logprob} (the token's own and the top k;
+    # None for the first token, which has no context), filled as the prefill steps complete.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    reported_prompt_logprobs: bool = False
 
     def __post_init__(self):
         # Counters not given start at zero, one per sample.
@@ -114,6 +118,7 @@ def make_output(request: Request) -> RequestOutput | None:
     cumulative = kind != "delta"
     completions = [_completion(request, i, cumulative) for i in range(len(request.seqs))]
     return RequestOutput(
+        prompt_logprobs=_prompt_logprobs(request, cumulative),
         request_id=request.request_id,
         prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids,
@@ -125,6 +130,17 @@ def make_output(request: Request) -> RequestOutput | None:
         finish_time=time.monotonic() if finished else None,
         num_cached_tokens=request.seqs[0].num_cached_tokens,
     )
+
+
+def _prompt_logprobs(request: Request, cumulative: bool) -> list | None:
+    """The prompt's log-probabilities once all are known (its first token has sampled): in
+    every output of a cumulative request, in the first one of a delta stream."""
+    if request.prompt_logprobs is None or not request.seqs[0].output_token_ids:
+        return None
+    if not cumulative and request.reported_prompt_logprobs:
+        return None
+    request.reported_prompt_logprobs = True
+    return list(request.prompt_logprobs)
 
 
 def _completion(request: Request, i: int, cumulative: bool) -> CompletionOutput:

@@ -105,7 +105,13 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect):
         self._check_model(request)
         names: Names = {}
-        params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream)
+        # An echoed prompt with logprobs reports the prompt tokens' values too (lm-evaluation-
+        # harness scores a text this way: max_tokens 1, logprobs 1, echo true).
+        echo_logprobs = request.echo and request.logprobs is not None
+        needed = max(request.logprobs, request.prompt_logprobs or 0) if echo_logprobs else None
+        if echo_logprobs:
+            names = {"prompt_logprobs": ClientName("logprobs", "with echo, logprobs also covers the prompt")}
+        params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream, needed)
         params = _constrained(params, request, names)
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
@@ -136,8 +142,11 @@ class OpenAIServing:
         if request.logprobs is not None:
             prompt_ids = output.prompt_token_ids if request.echo else []
             logprobs = self._completion_logprobs(prompt_ids, completion.token_ids, completion.logprobs or [],
-                                                 request.logprobs, 0)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+                                                 request.logprobs, 0, output.prompt_logprobs)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs_body(output.prompt_logprobs, request.prompt_logprobs)
+        return choice
 
     async def _completion_chunks(self, request: CompletionRequest, submitted: _Submitted,
                                  wait_for_disconnect: WaitForDisconnect) -> AsyncIterator[str]:
@@ -167,20 +176,25 @@ class OpenAIServing:
                 if request.logprobs is not None:
                     prompt_ids = output.prompt_token_ids if echo else []
                     logprobs = self._completion_logprobs(prompt_ids, new_ids, _delta_logprobs(c), request.logprobs,
-                                                         offsets.get(index, 0))
+                                                         offsets.get(index, 0), output.prompt_logprobs)
                 text = echo + c.delta_text
                 offsets[index] = offsets.get(index, 0) + len(text)
                 if c.finish_reason is not None:
                     finished.add(index)
                 if text or new_ids or c.finish_reason is not None or first:
-                    yield chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}])
+                    body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+                    if first and request.prompt_logprobs is not None:
+                        body["prompt_logprobs"] = self._prompt_logprobs_body(output.prompt_logprobs,
+                                                                             request.prompt_logprobs)
+                    yield chunk([body])
         else:
             if request.include_usage_in_stream:
                 yield chunk([], _usage(submitted))
         yield "data: [DONE]\n\n"
 
-    def _completion_logprobs(self, prompt_ids, token_ids, logprobs, k, offset) -> dict:
-        """The legacy completions shape; echoed prompt tokens have no log-probability."""
+    def _completion_logprobs(self, prompt_ids, token_ids, logprobs, k, offset, prompt_logprobs=None) -> dict:
+        """The legacy completions shape. Echoed prompt tokens carry the prompt's log-probabilities
+        (`prompt_logprobs`), the first token None (nothing precedes it), as OpenAI reports them."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for position, token in enumerate(list(prompt_ids) + list(token_ids)):
             text = self._token_text(token)
@@ -188,8 +202,9 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(text)
             if position < len(prompt_ids):
-                token_lps.append(None)
-                tops.append(None)
+                lps = prompt_logprobs[position] if prompt_logprobs else None
+                token_lps.append(None if lps is None else lps.get(token))
+                tops.append(None if lps is None else {self._token_text(t): lp for t, lp in _top(lps, k)})
                 continue
             lps = logprobs[position - len(prompt_ids)]
             token_lps.append(lps.get(token))
@@ -225,10 +240,13 @@ class OpenAIServing:
             **chat_message(request.echo_text + c.text, c.finish_reason, plan),
             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, request) if request.logprobs else None,
         } for c in output.outputs]
-        return {
+        body = {
             "id": submitted.request_id, "object": "chat.completion", "created": submitted.created,
             "model": self.model_name, "choices": choices, "usage": _usage(submitted),
         }
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_body(output.prompt_logprobs, request.prompt_logprobs)
+        return body
 
     def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
@@ -273,6 +291,12 @@ class OpenAIServing:
             if isinstance(output, OpenAIError):
                 yield _sse(output.body())
                 break
+            if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                # vLLM's: the prompt's log-probabilities once, in a chunk of their own.
+                yield _sse({"id": submitted.request_id, "object": "chat.completion.chunk",
+                            "created": submitted.created, "model": self.model_name, "choices": [],
+                            "prompt_logprobs": self._prompt_logprobs_body(output.prompt_logprobs,
+                                                                          request.prompt_logprobs)})
             for c in output.outputs:
                 if c.index in finished:
                     continue
@@ -312,6 +336,21 @@ class OpenAIServing:
                 ],
             })
         return {"content": content}
+
+    def _prompt_logprobs_body(self, prompt_logprobs, k: int) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}}, the prompt's own token and the top k (rank 1 is the likeliest)."""
+        if prompt_logprobs is None:
+            return None
+        body = []
+        for lps in prompt_logprobs:
+            if lps is None:
+                body.append(None)
+                continue
+            ranked = {t: r for r, (t, _) in enumerate(_top(lps, k), start=1)}
+            body.append({str(t): {"logprob": lp, "rank": ranked.get(t), "decoded_token": self._token_text(t)}
+                         for t, lp in lps.items()})
+        return body
 
     # ---- /tokenize, /detokenize --------------------------------------------------------------
     def tokenize(self, request: TokenizeRequest) -> dict:
@@ -402,9 +441,9 @@ class OpenAIServing:
 
 
 def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None, names: Names,
-                     stream: bool) -> SamplingParams:
+                     stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        params = request.sampling_params(max_tokens, logprobs)
+        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except RequestError as exc:
         raise request_error_to_openai(exc, names) from None
     return dataclasses.replace(params, output_kind="delta" if stream else "final_only")

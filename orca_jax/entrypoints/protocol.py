@@ -142,7 +142,7 @@ class StreamOptions(StrictModel):
 # vLLM request fields that change the answer and that this server does not implement: refused
 # by name (400) when given a value other than their no-op default, never silently dropped.
 UNSUPPORTED_FIELDS = {
-    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "logits_processors": None,
+    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "return_tokens_as_token_ids": False, "documents": None, "mm_processor_kwargs": None,
     "kv_transfer_params": None, "vllm_xargs": None, "priority": 0, "allowed_token_ids_per_step": None,
 }
@@ -177,6 +177,7 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities, and the top this many
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -295,9 +296,12 @@ class SamplingRequest(StrictModel):
     def usage_in_every_chunk(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises RequestError (naming the SamplingParams field) for a value out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises RequestError (naming the SamplingParams field) for a value out of range.
+        `prompt_logprobs`: what the endpoint needs of the prompt (echo), if more than asked."""
         return SamplingParams(
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -63,6 +64,11 @@ class ServerSettings:
     # --default-chat-template-kwargs (template variables every chat request starts from).
     chat_template: str | None = None
     default_chat_template_kwargs: dict | None = None
+    # CORS (--allowed-origins / --allowed-methods / --allowed-headers, as vLLM's): None sends no
+    # CORS headers at all, so browsers keep their same-origin rule.
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
 
     def __post_init__(self):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -220,10 +226,15 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # The last one added runs first: the key is checked before a body is read.
+    # The last one added runs first: the key is checked before a body is read, and a browser's
+    # CORS preflight is answered before the key is asked for.
     app.add_middleware(LimitRequestBody, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods or ["*"],
+                           allow_headers=settings.allowed_headers or ["*"], allow_credentials=True)
     return app
 
 
@@ -308,11 +319,16 @@ class _Server(uvicorn.Server):
 
 def serve(engine: LLMEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
           max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS, log_level: str = "info",
-          graceful_shutdown_s: float = 10.0) -> None:
-    """Serve until SIGINT/SIGTERM. Blocks."""
+          graceful_shutdown_s: float = 10.0, ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+          root_path: str = "") -> None:
+    """Serve until SIGINT/SIGTERM. Blocks. `ssl_keyfile` / `ssl_certfile`: HTTPS; `root_path`:
+    the path prefix a proxy in front serves the app under."""
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     async_engine, app = build_app(engine, settings, max_waiting_requests)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+                            timeout_graceful_shutdown=graceful_shutdown_s, ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile, root_path=root_path)
     _Server(config, async_engine).run()
 
 

@@ -23,6 +23,7 @@ from orca_jax.kernels import quantization
 from orca_jax.config import ModelConfig
 from orca_jax.models import hf_config
 from orca_jax.models.hf_weights import HFTensors
+from orca_jax.models.prompt_logprobs import prompt_logprobs
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models.layers import (GatedMLP, PagedAttention, RMSNorm, embedding_table, layer_rope, layer_window,
                                     quantized_kernel, run_layer_stack)
@@ -108,9 +109,12 @@ class LlamaForCausalLM(nn.Module):
         return quantization.take_rows(embedding, input_ids, self.dtype)
 
     @nn.compact
-    def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices, hidden=None):
+    def __call__(self, input_ids, kv_cache, metadata: AttentionMetadata, logits_indices, hidden=None,
+                 prompt_targets=None, prompt_k: int = 1):
         """input_ids i32[T]; kv_cache [L, P, page_size, 2K, H]; logits_indices i32[S].
-        Returns (logits f32[S, V], kv_cache).
+        Returns (logits f32[S, V], kv_cache); with `prompt_targets` i32[T] (the prompt token
+        after each token, -1: none wanted) (logits, kv_cache, PromptLogprobs) with the top
+        `prompt_k` (orca_jax.models.prompt_logprobs).
 
         A pipeline stage (orca_jax.worker.pipeline) runs the layers its cache and weights hold (L is
         its share) and only its end of the model: a stage after the first takes the previous
@@ -130,18 +134,26 @@ class LlamaForCausalLM(nn.Module):
         )
         if logits_indices is None:
             return x, kv_cache
-        h = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")(x[logits_indices])
-        if c.tie_word_embeddings:
-            logits = quantization.table_logits(h, embedding)
-        else:
-            head = self.lm_head(c)
-            logits = quantization.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
-        if c.final_logit_softcapping is not None:
-            cap = c.final_logit_softcapping
-            logits = cap * jnp.tanh(logits / cap)
-        if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
-            logits = parallel.gather_logits(self.mesh, logits)
-        return logits, kv_cache
+        norm = self.block.norm_cls(c.rms_norm_eps, self.dtype, name="final_norm")
+        head = None if c.tie_word_embeddings else self.lm_head(c)
+
+        def logits_of(h):  # final-normed rows [n, D] -> f32[n, V]
+            if head is None:
+                logits = quantization.table_logits(h, embedding)
+            else:
+                logits = quantization.einsum("SD,DV->SV", h, head, preferred_element_type=jnp.float32)
+            if c.final_logit_softcapping is not None:
+                cap = c.final_logit_softcapping
+                logits = cap * jnp.tanh(logits / cap)
+            if self.mesh is not None:  # vocabulary-sharded logits: whole rows for sampling
+                logits = parallel.gather_logits(self.mesh, logits)
+            return logits
+
+        logits = logits_of(norm(x[logits_indices]))
+        if prompt_targets is None:
+            return logits, kv_cache
+        # The norm over all T rows is cheap next to the layers; the head runs only if asked.
+        return logits, kv_cache, prompt_logprobs(logits_of, norm(x), prompt_targets, prompt_k)
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig, with_mlp: bool = True) -> dict[str, Any]:

@@ -83,6 +83,9 @@ class StepInputs:
     # runner sends it only when a row is guided; otherwise a device-resident all-ones array
     # of the bucket's shape stands in (orca_jax.worker.runner).
     token_bitmask: np.ndarray
+    # i32[T]: for a token of a prompt that asks for prompt_logprobs, the prompt token after it
+    # (orca_jax.models.prompt_logprobs); -1 elsewhere, and then the step skips that work.
+    prompt_targets: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +136,21 @@ def _zeros(shape, dtype, sharding):
 
 def _full(shape, value, sharding):
     return jnp.full(shape, value, jnp.int32, device=sharding)
+
+
+def _prompt_targets(seqs, starts: np.ndarray, lens: np.ndarray, ends: np.ndarray, T: int) -> np.ndarray:
+    """i32[T]: the next prompt token of each prompt token the step computes for a sequence that
+    asks for prompt_logprobs (its first sample only: the others have the same prompt), else -1.
+    A prompt's last token has none (what follows it is sampled)."""
+    targets = np.full(T, -1, np.int32)
+    for row, seq in enumerate(seqs):
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            continue
+        start, stop = int(starts[row]), min(int(starts[row] + lens[row]), seq.num_prompt_tokens - 1)
+        if start < stop:
+            first = int(ends[row] - lens[row])
+            targets[first:first + stop - start] = seq.prompt_token_ids[start + 1:stop + 1]
+    return targets
 
 
 def empty_step_inputs(config: EngineConfig, num_tokens: int) -> StepInputs:
@@ -225,6 +243,8 @@ class BatchState:
         outputs = np.fromiter((len(s.output_token_ids) for s in seqs), np.int32, n)
         sample_index = _padded(outputs + pending - samples * scheduled.pending_counted, S)  # pending ones first
 
+        prompt_targets = _prompt_targets(seqs, starts, lens, ends, T)
+
         sampling = np.zeros((S, 6), np.float32)
         sampling[:, TOP_P] = sampling[:, REPETITION] = 1.0
         sampling[:n] = self.params[slots]
@@ -243,6 +263,7 @@ class BatchState:
             num_seqs=np.array([n], np.int32),
             token_bitmask=token_bitmask,
             row_drafts=_padded(num_drafts, S),
+            prompt_targets=prompt_targets,
         )
 
     def _page_writes(self, seqs, slots: np.ndarray, ends: np.ndarray, capacity: int) -> np.ndarray:

@@ -51,20 +51,30 @@ logger = logging.getLogger(__name__)
 
 
 def model_step(model: nn.Module, max_logprobs: int, keep_logits: bool, page_size: int,
-               logits_rows: Callable[[int], int] | None, params, kv_cache, state, inputs: StepInputs):
+               logits_rows: Callable[[int], int] | None, prompt_logprobs: bool, params, kv_cache, state,
+               inputs: StepInputs):
     """The model on one step, then sampling: (updated kv_cache, updated state, SampleOutput).
     `logits_rows` (speculative decoding: EngineConfig.logits_rows) gives a bucket's output
-    positions; the drafts in the step are then verified (orca_jax.worker.rejection)."""
+    positions; the drafts in the step are then verified (orca_jax.worker.rejection).
+    `prompt_logprobs`: the program can also return the log-probabilities of the prompt tokens
+    the step prefills (SampleOutput.prompt; the work is skipped in a step that asks none)."""
     num_positions = None if logits_rows is None else logits_rows(inputs.num_tokens)
     state, batch, counts, unresolved = expand(state, inputs, page_size, num_positions)
-    logits, kv_cache = model.apply(params, batch.input_ids, kv_cache, batch.metadata, batch.logits_indices)
+    if prompt_logprobs:
+        logits, kv_cache, prompt = model.apply(params, batch.input_ids, kv_cache, batch.metadata,
+                                               batch.logits_indices, prompt_targets=inputs.prompt_targets,
+                                               prompt_k=max(1, max_logprobs))
+    else:
+        (logits, kv_cache), prompt = model.apply(params, batch.input_ids, kv_cache, batch.metadata,
+                                                 batch.logits_indices), None
     if batch.verify is None:
         out = sample(logits, batch.sampling, max_logprobs, counts)
     else:
         out = verify_drafts(logits, batch.sampling, batch.verify, inputs.row_slot.shape[0], max_logprobs, counts)
     state = record_sampled(state, inputs, out.tokens, batch.verify, out.num_accepted)
     # keep_logits: tests and debugging see the rows sampling saw, from the same program.
-    out = dataclasses.replace(out, unresolved_tokens=unresolved, logits=logits if keep_logits else None)
+    out = dataclasses.replace(out, unresolved_tokens=unresolved, logits=logits if keep_logits else None,
+                              prompt=prompt)
     return kv_cache, state, out
 
 
@@ -118,8 +128,10 @@ class ModelRunner(RunnerBase):
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
         logits_rows = config.logits_rows if config.num_speculative_tokens else None
+        # Prompt log-probabilities on one device (a sharded model would gather [T, V] logits).
+        self.prompt_logprobs = mesh is None
         step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size,
-                                 logits_rows)
+                                 logits_rows, self.prompt_logprobs)
         donated = ("kv_cache", "state")
         self._exports = None  # the step's serialized exports (step_export.py): one device, one process
         if mesh is None:
@@ -222,7 +234,7 @@ class ModelRunner(RunnerBase):
         # from this process's copy; every process holds the same inputs).
         device_inputs = inputs if self.mesh is None else self._put(inputs)
         self.kv_cache, self.state, out = program(self.params, self.kv_cache, self.state, device_inputs)
-        return PendingStep(out)
+        return PendingStep(out, wants_prompt=bool((inputs.prompt_targets >= 0).any()))
 
     def _free_bitmask(self, inputs: StepInputs) -> jax.Array:
         place = jax.device_put if self.mesh is None else functools.partial(parallel.put_replicated, mesh=self.mesh)

@@ -6,6 +6,8 @@ once per bucket, and what a dispatched step returns (`PendingStep`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -46,9 +48,10 @@ class PendingStep:
     them (numpy SampleOutput). `output` holds the device arrays (the step timeline waits on
     them to time the device)."""
 
-    def __init__(self, output: SampleOutput):
-        self.output = output
-        for leaf in jax.tree.leaves(output):
+    def __init__(self, output: SampleOutput, wants_prompt: bool = False):
+        # The prompt log-probabilities ([T, K]) cross to the host only for a step that asked.
+        self.output = output if wants_prompt or output.prompt is None else dataclasses.replace(output, prompt=None)
+        for leaf in jax.tree.leaves(self.output):
             leaf.copy_to_host_async()
 
     def result(self) -> SampleOutput:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from orca_jax.models.prompt_logprobs import PromptLogprobs
 from orca_jax.worker.batch import SamplingInputs
 
 # Candidates a truncating row takes with lax.top_k before falling back to a bisection: enough
@@ -61,6 +62,9 @@ class SampleOutput:
     # i32[S]: speculative decoding, the drafts each row accepted (tokens, logprobs and logits are
     # then per output position, orca_jax.worker.batch.VerifyLayout); None without speculation.
     num_accepted: jax.Array | None = None
+    # The prompt tokens' log-probabilities (orca_jax.models.prompt_logprobs): from a runner that
+    # computes them, and only sent to the host for a step that asked (else None there).
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from orca_jax.models.prompt_logprobs import PromptLogprobs
 from orca_jax.worker.batch_state import DeviceState, StepInputs
 from orca_jax.worker.sampling import SampleOutput
 
@@ -58,7 +59,7 @@ _TRACING_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_d
                   "jax_default_prng_impl", "jax_threefry_partitionable", "jax_numpy_rank_promotion",
                   "jax_enable_custom_prng")
 # The pytree classes in a step's arguments and results: jax.export serializes the trees by name.
-_PYTREE_CLASSES = (DeviceState, StepInputs, SampleOutput)
+_PYTREE_CLASSES = (DeviceState, StepInputs, SampleOutput, PromptLogprobs)
 
 
 def _register_pytrees() -> bool:

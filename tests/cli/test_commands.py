@@ -154,6 +154,29 @@ def test_serve_tool_calling_flags_reach_the_server_settings(monkeypatch):
         cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
 
 
+def test_vllm_spellings_of_engine_flags():
+    assert _config("serve", "-tp", "2").tensor_parallel_size == 2
+    assert _config("serve", "--max-logprobs", "5").max_logprobs == 5
+
+
+def test_chat_template_and_cors_flags_are_read(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert cli.read_chat_template(str(template)) == "{{ messages[0]['content'] }}"
+    assert cli.read_chat_template("{% for m in messages %}{% endfor %}") == "{% for m in messages %}{% endfor %}"
+    with pytest.raises(SystemExit, match="neither a file"):
+        cli.read_chat_template(str(tmp_path / "missing.jinja"))
+    assert cli.parse_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    with pytest.raises(SystemExit, match="JSON object"):
+        cli.parse_template_kwargs("[1]")
+    assert cli.parse_json_list('["https://a.example"]', "--allowed-origins") == ["https://a.example"]
+    with pytest.raises(SystemExit, match="JSON list"):
+        cli.parse_json_list('"*"', "--allowed-origins")
+    args = cli.build_parser().parse_args(["serve", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
+                                          "--root-path", "/llm"])
+    assert (args.ssl_keyfile, args.ssl_certfile, args.root_path) == ("k.pem", "c.pem", "/llm")
+
+
 # ---- generate's own defaults (start-up: docs/benchmarks.md) ----------------------------------
 @pytest.mark.parametrize("argv,seqs,overlapped", [
     ([], 1, False),

@@ -18,6 +18,7 @@ from orca_jax.entrypoints.server import ServerSettings, build_app
 
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Paris is the capital of"}]
 # The tiny tokenizer's own template, plus a variable the server sets by default.
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant: {% endif %}{% if shout %}HEY {% endif %}")
@@ -115,10 +116,26 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(live):
     assert completion_counts == sorted(completion_counts) and completion_counts[-1] == 4
 
 
+def test_prompt_logprobs_on_both_endpoints(live):
+    ids = tokenize(live, prompt=PROMPT)
+    out = complete(live, prompt_logprobs=2, max_tokens=1)["choices"][0]["prompt_logprobs"]
+    assert len(out) == len(ids) and out[0] is None
+    for position, entry in enumerate(out[1:], start=1):
+        assert str(ids[position]) in entry and len(entry) <= 3
+        ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
+        assert ranks == [1, 2]
+    echoed = complete(live, echo=True, logprobs=1, max_tokens=1)["choices"][0]["logprobs"]
+    assert echoed["token_logprobs"][0] is None
+    assert echoed["token_logprobs"][1:len(ids)] == [out[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
+    chat = post(live, "/v1/chat/completions", dict(model=MODEL, messages=CHAT, max_tokens=1, prompt_logprobs=0))
+    prompt = chat.json()["prompt_logprobs"]
+    assert len(prompt) == chat.json()["usage"]["prompt_tokens"] and prompt[0] is None
+
+
 @pytest.mark.parametrize("field, value", [
     ("min_tokens", -1), ("min_tokens", 99), ("bad_words", [" "]), ("allowed_token_ids", []),
     ("allowed_token_ids", [10 ** 6]), ("truncate_prompt_tokens", 0), ("spaces_between_special_tokens", False),
-    ("prompt_logprobs", 1), ("use_beam_search", True), ("priority", 3), ("logit_bias", {"5": 10}),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("use_beam_search", True), ("priority", 3), ("logit_bias", {"5": 10}),
 ])
 def test_bad_or_unsupported_values_are_refused_naming_the_field(live, field, value):
     for path, body in (("/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=8)),
@@ -129,7 +146,6 @@ def test_bad_or_unsupported_values_are_refused_naming_the_field(live, field, val
 
 
 # ---- chat rendering ----------------------------------------------------------------------------
-CHAT = [{"role": "user", "content": "Paris is the capital of"}]
 
 
 def chat_prompt(live, **fields) -> str:
@@ -206,3 +222,20 @@ def test_version_ping_and_one_model(live):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_cors_answers_a_browsers_preflight_only_when_asked(live):
+    """--allowed-origins: the allowed origin gets CORS headers (a preflight needs no API key);
+    without the flag no CORS header is sent at all. The apps are built over the module's
+    engine but never started: the middleware answers before any engine work."""
+    from starlette.testclient import TestClient
+
+    engine = live[1]
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    _, app = build_app(engine, ServerSettings(MODEL, api_key="k", allowed_origins=["https://app.example"]))
+    response = TestClient(app).options("/v1/completions", headers=preflight)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    _, plain = build_app(engine, ServerSettings(MODEL))
+    assert "access-control-allow-origin" not in TestClient(plain).options("/v1/completions",
+                                                                          headers=preflight).headers

@@ -225,8 +225,11 @@ class SchedulerBase:
     # ---- prefix caching ----------------------------------------------------------------------
     def _looks_up(self, seq: Sequence) -> bool:
         """Whether admission looks a sequence's prefix up. Not with penalties: they count the
-        tokens a step feeds (orca_jax.worker.batch_state), and a cached prefix is not fed."""
-        return bool(self.config.cached_pages_per_step) and not seq.params.uses_penalties
+        tokens a step feeds (orca_jax.worker.batch_state), and a cached prefix is not fed. Nor
+        with prompt_logprobs: they are computed from the prompt's logits, which a cached page
+        does not keep, so the whole prompt is computed."""
+        return (bool(self.config.cached_pages_per_step) and not seq.params.uses_penalties
+                and seq.params.prompt_logprobs is None)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The published pages of the longest cached prefix of a waiting sequence's tokens, in
