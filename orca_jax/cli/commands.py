@@ -230,6 +230,8 @@ def cmd_serve(args) -> int:
         allowed_origins=parse_json_list(args.allowed_origins, "--allowed-origins"),
         allowed_methods=parse_json_list(args.allowed_methods, "--allowed-methods"),
         allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
+        enable_request_id_headers=args.enable_request_id_headers, enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
     logger.info("serving %r at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)",
                 settings.model_name, args.host, args.port)
@@ -328,6 +330,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file (with --ssl-certfile)")
     parser.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (with --ssl-keyfile)")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves the API under")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="a client's X-Request-Id header names its request and comes back in the response")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log one line per request: id, prompt lengths, sampling parameters (not the prompt)")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="with --enable-log-requests, also log this many characters of each prompt")
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                         help="seconds to wait for open connections at shutdown")
     # Multi-host (jax.distributed): process 0 serves HTTP and schedules, the others follow.

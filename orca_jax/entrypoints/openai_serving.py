@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +45,8 @@ from orca_jax.entrypoints.protocol import (ChatCompletionRequest, ClientName, Co
                                            OpenAIError, SamplingRequest, TokenizeRequest,
                                            bad_request, request_error_to_openai)
 from orca_jax.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 WaitForDisconnect = Callable[[], Awaitable[None]]
@@ -86,8 +89,13 @@ class EventStream:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
                  on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None,
-                 chat_template: str | None = None, default_chat_template_kwargs: dict | None = None):
+                 chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
+                 log_requests: bool = False, max_log_len: int | None = None):
         self.engine = engine
+        # --enable-log-requests: one line per request (id, prompt length, sampling parameters);
+        # the prompt's text only with --max-log-len, cut to that many characters.
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         # --chat-template and --default-chat-template-kwargs: a request's own fields win.
         self.chat_template = chat_template
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
@@ -102,7 +110,8 @@ class OpenAIServing:
         self._on_reject = on_reject or (lambda reason: None)
 
     # ---- /v1/completions ------------------------------------------------------------------
-    async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect):
+    async def completions(self, request: CompletionRequest, wait_for_disconnect: WaitForDisconnect,
+                          request_id: str | None = None):
         self._check_model(request)
         names: Names = {}
         # An echoed prompt with logprobs reports the prompt tokens' values too (lm-evaluation-
@@ -116,7 +125,7 @@ class OpenAIServing:
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
             self._check_room(self._kept_length(len(ids), params.truncate_prompt_tokens), params.max_tokens, "max_tokens")
-        submitted = await self._submit("cmpl", prompt_ids, params, names, request.cache_salt)
+        submitted = await self._submit("cmpl", prompt_ids, params, names, request.cache_salt, request_id)
         # Echoed token-id prompts are decoded only now, once the engine has checked their range.
         try:
             submitted.prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) if request.echo else ""
@@ -212,7 +221,8 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # ---- /v1/chat/completions -------------------------------------------------------------
-    async def chat(self, request: ChatCompletionRequest, wait_for_disconnect: WaitForDisconnect):
+    async def chat(self, request: ChatCompletionRequest, wait_for_disconnect: WaitForDisconnect,
+                   request_id: str | None = None):
         self._check_model(request)
         try:
             plan = plan_tools(request, self.auto_tool_parser)
@@ -230,7 +240,7 @@ class OpenAIServing:
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
         params = _constrained(params, request, names, plan)
         self._check_room(self._kept_length(len(prompt_ids), params.truncate_prompt_tokens), params.max_tokens, request.max_tokens_field)
-        submitted = await self._submit("chatcmpl", [prompt_ids], params, names, request.cache_salt)
+        submitted = await self._submit("chatcmpl", [prompt_ids], params, names, request.cache_salt, request_id)
         submitted.prompt_texts = [""]
         if request.stream:
             return EventStream(self._chat_chunks(request, plan, submitted, wait_for_disconnect), submitted.abort_all)
@@ -352,6 +362,16 @@ class OpenAIServing:
                          for t, lp in lps.items()})
         return body
 
+    def _log_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> None:
+        shown = ""
+        if self.max_log_len is not None:
+            text = " | ".join(self.tokenizer.decode(ids) for ids in prompts)
+            shown = f", prompt {text[:self.max_log_len]!r}"
+        constraint = params.structured_outputs.kind if params.structured_outputs is not None else None
+        fields = dataclasses.asdict(dataclasses.replace(params, structured_outputs=None))
+        logger.info("request %s: %d prompt(s) of %s tokens, constraint %s, params %s%s", request_id, len(prompts),
+                    [len(ids) for ids in prompts], constraint, fields, shown)
+
     # ---- /tokenize, /detokenize --------------------------------------------------------------
     def tokenize(self, request: TokenizeRequest) -> dict:
         """vLLM's /tokenize: the prompt's token ids (a conversation's through the chat template)."""
@@ -416,11 +436,13 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     async def _submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, names: Names,
-                      cache_salt: str | None = None) -> _Submitted:
+                      cache_salt: str | None = None, request_id: str | None = None) -> _Submitted:
         """Queue one engine request per prompt, in one go and all or none (the engine admits
         them together, before its next step, or none of them); with `cache_salt`, each prompt
-        goes as a TokensPrompt dict carrying it."""
-        submitted = _Submitted(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), [], [])
+        goes as a TokensPrompt dict carrying it. `request_id`: the client's (X-Request-Id)."""
+        submitted = _Submitted(f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time()), [], [])
+        if self.log_requests:
+            self._log_request(submitted.request_id, prompts, params)
         request_ids = ([submitted.request_id] if len(prompts) == 1
                        else [f"{submitted.request_id}-{p}" for p in range(len(prompts))])
         if cache_salt is not None:

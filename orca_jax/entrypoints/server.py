@@ -22,6 +22,7 @@ import contextlib
 import copy
 import hmac
 import importlib.metadata
+import re
 import logging
 import signal
 import time
@@ -69,6 +70,11 @@ class ServerSettings:
     allowed_origins: list[str] | None = None
     allowed_methods: list[str] | None = None
     allowed_headers: list[str] | None = None
+    # --enable-request-id-headers: a client's X-Request-Id names its request (in the engine, the
+    # log and the response's id) and is echoed back in the response's X-Request-Id.
+    enable_request_id_headers: bool = False
+    enable_log_requests: bool = False  # --enable-log-requests: one log line per request
+    max_log_len: int | None = None  # --max-log-len: log this many characters of each prompt
 
     def __post_init__(self):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -142,6 +148,10 @@ class LimitRequestBody:
         await self.app(scope, replaying_receive, send)
 
 
+# What a client's X-Request-Id may hold (it becomes part of engine request ids and log lines).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
 def orca_jax_version() -> str:
     """The installed distribution's version (what vLLM's /version reports for itself)."""
     try:
@@ -158,7 +168,16 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     serving = OpenAIServing(async_engine, copy.deepcopy(engine.tokenizer), settings.model_name,
                             engine.config.max_model_len, on_reject=metrics.reject,
                             auto_tool_parser=settings.auto_tool_parser, chat_template=settings.chat_template,
-                            default_chat_template_kwargs=settings.default_chat_template_kwargs)
+                            default_chat_template_kwargs=settings.default_chat_template_kwargs,
+                            log_requests=settings.enable_log_requests, max_log_len=settings.max_log_len)
+
+    def client_request_id(raw: Request) -> str | None:
+        if not settings.enable_request_id_headers:
+            return None
+        given = raw.headers.get("x-request-id")
+        if given is not None and not _REQUEST_ID.fullmatch(given):
+            raise OpenAIError(400, "X-Request-Id must be 1-128 letters, digits, '-', '_' or '.'", param="X-Request-Id")
+        return given
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -175,12 +194,14 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
     @app.post("/v1/completions")
     async def completions(raw: Request):
         request = parse_request(CompletionRequest, await raw.body())
-        return _respond(await serving.completions(request, _disconnect_waiter(raw)))
+        request_id = client_request_id(raw)
+        return _respond(await serving.completions(request, _disconnect_waiter(raw), request_id), request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         request = parse_request(ChatCompletionRequest, await raw.body())
-        return _respond(await serving.chat(request, _disconnect_waiter(raw)))
+        request_id = client_request_id(raw)
+        return _respond(await serving.chat(request, _disconnect_waiter(raw), request_id), request_id)
 
     def model_card() -> dict:
         return {
@@ -241,8 +262,9 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
 class _EventStreamResponse(StreamingResponse):
     """Server-sent events that abort their engine requests however the response ends."""
 
-    def __init__(self, stream: EventStream):
-        super().__init__(stream.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, stream: EventStream, headers: dict[str, str] | None = None):
+        super().__init__(stream.events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
         self._close = stream.close
 
     async def __call__(self, scope, receive, send):
@@ -252,8 +274,11 @@ class _EventStreamResponse(StreamingResponse):
             self._close()
 
 
-def _respond(result: dict | EventStream) -> Response | dict:
-    return _EventStreamResponse(result) if isinstance(result, EventStream) else result
+def _respond(result: dict | EventStream, request_id: str | None = None) -> Response | dict:
+    headers = {"X-Request-Id": request_id} if request_id is not None else None
+    if isinstance(result, EventStream):
+        return _EventStreamResponse(result, headers)
+    return JSONResponse(result, headers=headers) if headers else result
 
 
 def _disconnect_waiter(raw: Request):

@@ -2,8 +2,9 @@
 the tiny random Llama through the server: each field changes the output the way it says (a
 server that dropped it would fail the test), and each bad value is a 400 naming the field.
 
-One server serves the module, started with a chat template of its own (--chat-template) and
-a default template variable (--default-chat-template-kwargs), so both are under test too.
+One server serves the module, started with a chat template of its own (--chat-template), a
+default template variable (--default-chat-template-kwargs), request id headers and request
+logging, so those are under test too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{%
 @pytest.fixture(scope="module")
 def live(tiny_engine_factory, serve_in_thread, server_idle_waiter):
     engine = tiny_engine_factory()
-    settings = ServerSettings(MODEL, chat_template=TEMPLATE, default_chat_template_kwargs={"shout": True})
+    settings = ServerSettings(MODEL, chat_template=TEMPLATE, default_chat_template_kwargs={"shout": True},
+                              enable_request_id_headers=True, enable_log_requests=True, max_log_len=9)
     async_engine, app = build_app(engine, settings)
     with serve_in_thread(app) as url:
         yield url, engine, server_idle_waiter(async_engine)
@@ -239,3 +241,20 @@ def test_cors_answers_a_browsers_preflight_only_when_asked(live):
     _, plain = build_app(engine, ServerSettings(MODEL))
     assert "access-control-allow-origin" not in TestClient(plain).options("/v1/completions",
                                                                           headers=preflight).headers
+
+
+def test_a_clients_request_id_names_the_request_and_comes_back(live, caplog):
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    with caplog.at_level("INFO", logger="orca_jax.entrypoints.openai_serving"):
+        response = httpx.post(f"{live[0]}/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"
+    assert response.json()["id"] == "cmpl-trace-42"
+    with httpx.stream("POST", f"{live[0]}/v1/chat/completions", headers={"X-Request-Id": "trace-43"}, timeout=60,
+                      json=dict(model=MODEL, messages=CHAT, max_tokens=2, stream=True)) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-43"
+        assert any('"id": "chatcmpl-trace-43"' in line for line in streamed.iter_lines())
+    bad = httpx.post(f"{live[0]}/v1/completions", json=body, headers={"X-Request-Id": "a b"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    # --enable-log-requests: the id, the lengths, the parameters; --max-log-len 9: 9 characters of the prompt.
+    (line,) = [r.getMessage() for r in caplog.records if "cmpl-trace-42" in r.getMessage()]
+    assert "max_tokens': 2" in line and repr(PROMPT[:9]) in line and PROMPT not in line
