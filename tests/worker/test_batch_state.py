@@ -428,10 +428,11 @@ def test_page_writes_send_only_the_pages_a_step_needs(policy):
 # ---- what crosses per step ----------------------------------------------------------------------
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-caching", "prefix-caching"])
 def test_step_inputs_bytes_are_bounded_whatever_the_context(prefix_caching):
-    """StepInputs: 4T + 60S + 8C + 4 bytes, C = S + T/ps + 1 page writes plus, with prefix
-    caching, room for one cached prefix's pages, at most MAX_CACHED_PAGES_PER_STEP. At T = S =
-    256 and page size 16: 18,572 bytes at any max_model_len without caching; with it, 22,668
-    at 8,192 tokens of context (the cap) and the same at 32,768; all far below 64 KB. The token
+    """StepInputs: 8T + 60S + 8C + 4 bytes (the token ids and the prompt_logprobs targets are T
+    each), C = S + T/ps + 1 page writes plus, with prefix caching, room for one cached prefix's
+    pages, at most MAX_CACHED_PAGES_PER_STEP. At T = S = 256 and page size 16: 19,596 bytes at
+    any max_model_len without caching; with it, 23,692 at 8,192 tokens of context (the cap) and
+    the same at 32,768; all far below 64 KB. The token
     bitmask (S x ceil(V / 32) words) is part of StepInputs but crosses only in steps with a
     guided row (the runner keeps an all-ones one on the device), so it is counted apart."""
     T = 256
@@ -453,9 +454,9 @@ def test_step_inputs_bytes_are_bounded_whatever_the_context(prefix_caching):
             sched.add(Sequence(i, f"r{i}", 0, [1], SamplingParams(max_tokens=4), 0))
         assert batch_state.build(sched.schedule()).nbytes == inputs.nbytes
     if prefix_caching:
-        assert sizes[8192] == sizes[32768] == 4 * T + 60 * 256 + 8 * (273 + 512) + 4 == 22_668 < 64 * 1024
+        assert sizes[8192] == sizes[32768] == 8 * T + 60 * 256 + 8 * (273 + 512) + 4 == 23_692 < 64 * 1024
     else:
-        assert sizes[2048] == sizes[8192] == sizes[32768] == 4 * T + 60 * 256 + 8 * 273 + 4 == 18_572
+        assert sizes[2048] == sizes[8192] == sizes[32768] == 8 * T + 60 * 256 + 8 * 273 + 4 == 19_596
 
 
 def test_step_inputs_flags_and_parameters_per_row():
