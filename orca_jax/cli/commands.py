@@ -271,27 +271,25 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def parse_template_kwargs(value: str | None) -> dict | None:
-    if value is None:
-        return None
-    try:
-        kwargs = json.loads(value)
-    except ValueError as exc:
-        raise SystemExit(f"--default-chat-template-kwargs must be a JSON object: {exc}") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit("--default-chat-template-kwargs must be a JSON object")
-    return kwargs
+    return _json_flag(value, "--default-chat-template-kwargs", "a JSON object", lambda v: isinstance(v, dict))
 
 
 def parse_json_list(value: str | None, flag: str) -> list[str] | None:
+    return _json_flag(value, flag, "a JSON list of strings",
+                      lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v))
+
+
+def _json_flag(value: str | None, flag: str, expected: str, fits):
+    """A flag's JSON value (None if not given); SystemExit naming the flag unless `fits` it."""
     if value is None:
         return None
     try:
-        items = json.loads(value)
+        parsed = json.loads(value)
     except ValueError as exc:
-        raise SystemExit(f"{flag} must be a JSON list of strings: {exc}") from None
-    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-        raise SystemExit(f"{flag} must be a JSON list of strings")
-    return items
+        raise SystemExit(f"{flag} must be {expected}: {exc}") from None
+    if not fits(parsed):
+        raise SystemExit(f"{flag} must be {expected}")
+    return parsed
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -35,16 +35,14 @@ def hf_logprobs(tiny_llama_dir):
     return ids, torch.log_softmax(logits, -1).numpy()
 
 
-def run(engine, requests):
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert engine.allocator.num_used == 0
-    return final
+@pytest.fixture
+def run(run_engine):
+    """run_to_completion, then no KV page left in use."""
+    def go(engine, requests):
+        final = run_engine(engine, requests)
+        assert engine.allocator.num_used == 0
+        return final
+    return go
 
 
 def check_against_hf(prompt_logprobs, ids, reference, k):
@@ -57,7 +55,7 @@ def check_against_hf(prompt_logprobs, ids, reference, k):
         assert top == np.argsort(-expected, kind="stable")[:k].tolist(), position
 
 
-def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(engine, hf_logprobs):
+def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(engine, run, hf_logprobs):
     ids, reference = hf_logprobs
     assert len(ids) > 2 * engine.config.max_num_batched_tokens  # the prompt takes several steps
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
@@ -73,7 +71,7 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(e
     assert alone["alone"].outputs[0].token_ids == first["free"].outputs[0].token_ids
 
 
-def test_zero_gives_only_the_prompt_tokens_own(engine, hf_logprobs):
+def test_zero_gives_only_the_prompt_tokens_own(engine, run, hf_logprobs):
     ids, reference = hf_logprobs
     out = run(engine, [("zero", ids[:20], SamplingParams(max_tokens=1, prompt_logprobs=0))])["zero"]
     assert all(list(entry) == [ids[p]] for p, entry in enumerate(out.prompt_logprobs) if entry is not None)

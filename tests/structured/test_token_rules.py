@@ -97,26 +97,24 @@ def engine(tiny_engine_factory):
     return tiny_engine_factory()
 
 
-def generate(engine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    assert engine.allocator.num_used == 0
-    return tokens
+@pytest.fixture
+def generate(engine, run_engine):
+    """{request id: (prompt, params)} -> {request id: its output's token ids}, no page left in use."""
+    def go(requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
+        final = run_engine(engine, [(request_id, prompt, params) for request_id, (prompt, params) in requests.items()])
+        assert engine.allocator.num_used == 0
+        return {request_id: list(out.outputs[0].token_ids) for request_id, out in final.items()}
+    return go
 
 
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_allowed_token_ids_bound_every_sample_and_leave_free_rows_alone(engine):
+def test_allowed_token_ids_bound_every_sample_and_leave_free_rows_alone(engine, generate):
     allowed = [10, 11, 12, 40, 41]
-    free = generate(engine, {"free": ("Once upon a time", SamplingParams(**GREEDY))})["free"]
+    free = generate({"free": ("Once upon a time", SamplingParams(**GREEDY))})["free"]
     with no_compiles():
-        out = generate(engine, {
+        out = generate({
             "free": ("Once upon a time", SamplingParams(**GREEDY)),
             "allowed": ("The quick brown fox", SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
                                                               allowed_token_ids=allowed)),
@@ -129,9 +127,9 @@ def _contains(tokens: list[int], run: list[int]) -> bool:
     return any(tokens[i:i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
 
 
-def test_a_multi_token_bad_word_never_appears(engine):
+def test_a_multi_token_bad_word_never_appears(engine, generate):
     prompt = "Paris is the capital of"
-    free = generate(engine, {"free": (prompt, SamplingParams(**GREEDY))})["free"]
+    free = generate({"free": (prompt, SamplingParams(**GREEDY))})["free"]
     # A word the free output spells in two or more tokens.
     for i in range(len(free) - 1):
         word = engine.tokenizer.decode(free[i:i + 2]).strip()
@@ -141,19 +139,19 @@ def test_a_multi_token_bad_word_never_appears(engine):
     else:
         pytest.fail(f"no two-token word in the free output {free}")
     with no_compiles():
-        out = generate(engine, {"banned": (prompt, SamplingParams(**GREEDY, bad_words=[word]))})["banned"]
+        out = generate({"banned": (prompt, SamplingParams(**GREEDY, bad_words=[word]))})["banned"]
     assert not any(_contains(out, s) for s in spellings), (word, spellings, out)
     assert out != free
 
 
-def test_min_tokens_holds_back_stop_tokens_and_stop_strings(engine):
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(engine, generate):
     prompt = "def add(a, b):"
-    free = generate(engine, {"free": (prompt, SamplingParams(**GREEDY))})["free"]
+    free = generate({"free": (prompt, SamplingParams(**GREEDY))})["free"]
     first = free[0]
-    stopped = generate(engine, {"stop": (prompt, SamplingParams(temperature=0.0, max_tokens=12,
+    stopped = generate({"stop": (prompt, SamplingParams(temperature=0.0, max_tokens=12,
                                                                 stop_token_ids=[first]))})["stop"]
     assert stopped == [first]  # without min_tokens the stop id ends it at once
-    held = generate(engine, {"held": (prompt, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6,
+    held = generate({"held": (prompt, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6,
                                                              stop_token_ids=[first]))})["held"]
     assert len(held) >= 6 and first not in held[:6]
     text = engine.tokenizer.decode(free[:1]).strip() or engine.tokenizer.decode(free[:2]).strip()
