@@ -23,6 +23,11 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 # A factor of 100 either way already drives a seen token's logit out of (or into) reach;
 # beyond it float32 logits overflow or vanish.
 REPETITION_PENALTY_RANGE = (1e-2, 100.0)
+# logit_bias: OpenAI's range for a bias (vLLM clamps to it too), and the most entries one request
+# may bias. The step carries a fixed [rows, MAX_LOGIT_BIAS] table for the rows that ask, so the
+# count is a compiled shape; 300 is what OpenAI's API accepts.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 300
 # What each output of a request holds (vLLM's RequestOutputKind):
 #   "cumulative"  everything so far (text, token_ids, logprobs), plus what is new in
 #                 delta_text / delta_token_ids: one output per step that brings something new;
@@ -45,6 +50,19 @@ def _is_number(value) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float: out of every range
         return False
+
+
+def _token_keyed(bias):
+    """A logit_bias map with JSON's string keys ("50256") read as token ids; anything else is
+    left for validation to refuse."""
+    if not isinstance(bias, dict):
+        return bias
+    keyed = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        keyed[key] = value
+    return keyed
 
 
 def _in_range(value, low: float, high: float, *, open_low: bool = False) -> bool:
@@ -76,6 +94,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop token ids and stop strings do not end the output before this
     bad_words: list[str] | None = None  # words never produced (every token spelling of each)
     allowed_token_ids: list[int] | None = None  # only these tokens are sampled
+    # OpenAI's logit_bias: token id -> a bias added to its logit before penalties and sampling
+    # (clamped to LOGIT_BIAS_RANGE). String keys, as JSON sends them, are read as ids.
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # With transformers' fast tokenizers (the only kind loaded) special tokens are never
     # spaced apart; vLLM's default True is the one value this engine can honour.
@@ -97,7 +118,11 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_keyed(self.logit_bias)
         self._validate()
+        if self.logit_bias:
+            low, high = LOGIT_BIAS_RANGE
+            self.logit_bias = {token: min(max(float(bias), low), high) for token, bias in self.logit_bias.items()}
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
 
@@ -138,6 +163,11 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids is None
              or (self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids must be a non-empty list of non-negative integers"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items())),
+             "logit_bias must map token ids (non-negative integers) to finite numbers"),
+            ("logit_bias", not isinstance(self.logit_bias, dict) or len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool"),
             ("spaces_between_special_tokens", self.spaces_between_special_tokens is True,
              "spaces_between_special_tokens=false is not supported: fast tokenizers never space special tokens"),
@@ -162,6 +192,10 @@ class SamplingParams:
     @property
     def has_token_rules(self) -> bool:
         return bool(self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def uses_penalties(self) -> bool:

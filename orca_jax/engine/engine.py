@@ -232,6 +232,13 @@ class LLMEngine:
         for request in prepared.values():
             self._queue(request)
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
+        if outside:
+            raise RequestError(f"logit_bias token ids {outside[:5]} are outside the vocabulary (size {vocab_size})",
+                               "logit_bias")
+
     def _prepare(self, request_id: str, prompt, params: SamplingParams | None, cache_salt: str | None) -> Request:
         """Everything add_request checks, without touching the engine's state."""
         prompt, cache_salt = split_prompt(prompt, cache_salt)
@@ -246,6 +253,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.validate(params.structured_outputs)
         self._check_prompt_logprobs(params)
+        self._check_logit_bias(params)
         text, token_ids = self._tokenize(prompt)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         rules = TokenRules.build(params, self._encode_plain, self.eos_token_ids, self.model_config.vocab_size)

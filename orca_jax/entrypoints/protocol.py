@@ -4,7 +4,7 @@ Request models are strict (a string is not a number, a float is not an integer) 
 wrongly typed field is a 400 that names it, not a silent coercion. Unknown fields are ignored,
 as OpenAI and vLLM do, because clients send fields this server has no use for (`user`,
 `metadata`, ...); fields that would change the answer and that the engine cannot honour
-(`logit_bias`, `suffix`, `functions`, ...) are refused instead of ignored.
+(`suffix`, `functions`, `use_beam_search`, ...) are refused instead of ignored.
 
 Structured outputs arrive in any of the spellings clients send (OpenAI's `response_format`,
 vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` /
@@ -212,10 +212,12 @@ class SamplingRequest(StrictModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, bias):
-        if bias:
-            raise RequestError("logit_bias is not supported by this server")
-        return None
+    def _logit_bias_keys_are_token_ids(cls, bias):
+        # OpenAI's map: token ids as JSON object keys (strings of digits) to biases.
+        for key in bias or {}:
+            if not key.isdigit():
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias or None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -312,6 +314,7 @@ class SamplingRequest(StrictModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 

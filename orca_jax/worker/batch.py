@@ -25,6 +25,7 @@ from orca_jax.structured.guided_decoding import step_token_bitmask
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.core.kv_cache import PADDING_PAGE
 from orca_jax.core.scheduler import ScheduledBatch
+from orca_jax.core.sampling_params import MAX_LOGIT_BIAS
 
 # input_ids entry of a token the host does not hold: a sampled token still on the device (the
 # step program takes it from the persistent batch state, orca_jax.worker.batch_state).
@@ -52,6 +53,11 @@ class SamplingInputs:
     # hand-made sampler inputs: then nothing is masked.
     guided: np.ndarray | None = None  # bool[S]
     token_bitmask: np.ndarray | None = None  # i32[S, ceil(V / 32)]
+    # logit_bias (SamplingParams.logit_bias): the rows that have one, and per row (token, bias)
+    # pairs, zero-padded; None in hand-made sampler inputs: then nothing is biased.
+    biased: np.ndarray | None = None  # bool[S]
+    bias_ids: np.ndarray | None = None  # i32[S, B]
+    bias_values: np.ndarray | None = None  # f32[S, B]
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,9 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
         want_logprobs=np.zeros(S, bool),
         guided=guided,
         token_bitmask=token_bitmask,
+        biased=np.zeros(S, bool),
+        bias_ids=np.zeros((S, MAX_LOGIT_BIAS), np.int32),
+        bias_values=np.zeros((S, MAX_LOGIT_BIAS), np.float32),
     )
     for row, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
         p = seq.params
@@ -178,5 +187,9 @@ def _sampling_inputs(config: EngineConfig, scheduled: ScheduledBatch, S: int) ->
         # The pending tokens come first (this row's own is among them once schedule() counted it).
         inputs.sample_index[row] = len(seq.output_token_ids) + seq.num_pending - (samples and scheduled.pending_counted)
         inputs.want_logprobs[row] = p.logprobs is not None
+        if p.logit_bias:
+            inputs.biased[row] = True
+            inputs.bias_ids[row, :len(p.logit_bias)] = list(p.logit_bias)
+            inputs.bias_values[row, :len(p.logit_bias)] = list(p.logit_bias.values())
     return inputs
 

@@ -42,12 +42,14 @@ from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.core.kv_cache import PADDING_PAGE
 from orca_jax.worker.sampling import TokenCounts
 from orca_jax.core.scheduler import ScheduledBatch
+from orca_jax.core.sampling_params import MAX_LOGIT_BIAS
 
 # row_flags bits.
 ROW_SAMPLES = 1  # the row reaches its sequence's end: its sampled token is kept in last_token
 ROW_JOINS = 2  # the slot is new to the row's sequence: its device rows start from empty
 ROW_LOGPROBS = 4  # the row asks for top log-probabilities
 ROW_GUIDED = 8  # the row samples under a grammar: token_bitmask masks its logits
+ROW_BIASED = 16  # the row's request has a logit_bias: bias_ids / bias_values hold it
 # Columns of StepInputs.sampling.
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 
@@ -86,6 +88,11 @@ class StepInputs:
     # i32[T]: for a token of a prompt that asks for prompt_logprobs, the prompt token after it
     # (orca_jax.models.prompt_logprobs); -1 elsewhere, and then the step skips that work.
     prompt_targets: np.ndarray
+    # i32[S, MAX_LOGIT_BIAS] / f32[S, MAX_LOGIT_BIAS]: the logit_bias of ROW_BIASED rows as (token,
+    # bias) pairs, zero-padded (a zero bias on token 0 changes nothing). Sent only in a step with
+    # such a row, as the bitmask is (OPTIONAL_FIELDS).
+    bias_ids: np.ndarray
+    bias_values: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +105,25 @@ class StepInputs:
 
 for _cls in (DeviceState, StepInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
+
+
+# The fields a step carries only when one of its rows has the flag: in any other step they hold
+# their neutral value (an all-ones bitmask, a zero bias), and the runner passes a copy of it
+# placed on the device once per bucket instead (runner_base.with_placed_neutral_fields), so a
+# step that needs neither sends neither (1.5 MB of bitmask and 600 KB of bias at S = 256).
+OPTIONAL_FIELDS = {"token_bitmask": ROW_GUIDED, "bias_ids": ROW_BIASED, "bias_values": ROW_BIASED}
+
+
+def step_flags(inputs: StepInputs) -> int:
+    """The ROW_* bits any row of the step has."""
+    return int(np.bitwise_or.reduce(inputs.row_flags))
+
+
+def unsent_fields(inputs: StepInputs | None = None, flags: int | None = None) -> tuple[str, ...]:
+    """The optional fields no row of this step needs (given the step or its step_flags): they
+    hold their neutral value."""
+    flags = step_flags(inputs) if flags is None else flags
+    return tuple(name for name, flag in OPTIONAL_FIELDS.items() if not flags & flag)
 
 
 def num_slots(config: EngineConfig) -> int:
@@ -178,6 +204,9 @@ class BatchState:
         self.seeds = np.zeros(R, np.uint32)
         self.want_logprobs = np.zeros(R, bool)
         self.prompt_len = np.zeros(R, np.int32)
+        self.has_bias = np.zeros(R, bool)
+        self.bias_ids = np.zeros((R, MAX_LOGIT_BIAS), np.int32)
+        self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
 
     def _join(self, seq) -> None:
         """A sequence takes its slot: the slot's mirrors start from its parameters."""
@@ -189,10 +218,28 @@ class BatchState:
         self.seeds[slot] = seq.seed & 0xFFFFFFFF
         self.want_logprobs[slot] = p.logprobs is not None
         self.prompt_len[slot] = seq.num_prompt_tokens
+        self._join_logit_bias(slot, p.logit_bias)
         self.pages_on_device[slot] = 0
         self.sampled_last[slot] = False
         seq.slot_joined = False
         seq.pages_trimmed_to = None
+
+    def _join_logit_bias(self, slot: int, logit_bias: dict[int, float] | None) -> None:
+        self.has_bias[slot] = bool(logit_bias)
+        self.bias_ids[slot] = 0
+        self.bias_values[slot] = 0.0
+        if logit_bias:
+            self.bias_ids[slot, :len(logit_bias)] = list(logit_bias)
+            self.bias_values[slot, :len(logit_bias)] = list(logit_bias.values())
+
+    def _step_logit_bias(self, slots: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(biased bool[n], bias_ids i32[S, B], bias_values f32[S, B]) of the step's rows: a
+        gather of the slots' tables, done only in a step with a biased row."""
+        biased = self.has_bias[slots]
+        ids, values = np.zeros((S, MAX_LOGIT_BIAS), np.int32), np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+        if biased.any():
+            ids[:len(slots)], values[:len(slots)] = self.bias_ids[slots], self.bias_values[slots]
+        return biased, ids, values
 
     def build(self, scheduled: ScheduledBatch, bucket: int | None = None) -> StepInputs:
         n = len(scheduled)
@@ -221,8 +268,9 @@ class BatchState:
         row_start, row_len = _padded(starts, S), _padded(lens, S)
         row_prompt_len = _padded(self.prompt_len[slots], S)
         guided, token_bitmask = step_token_bitmask(scheduled, S, self.config.vocab_size)
+        biased, bias_ids, bias_values = self._step_logit_bias(slots, S)
         flags = (samples * ROW_SAMPLES + joins[:n] * ROW_JOINS + self.want_logprobs[slots] * ROW_LOGPROBS
-                 + guided[:n] * ROW_GUIDED)
+                 + guided[:n] * ROW_GUIDED + biased * ROW_BIASED)
         row_flags = _padded(flags.astype(np.int32), S)
 
         input_ids = np.zeros(T, np.int32)
@@ -264,6 +312,8 @@ class BatchState:
             token_bitmask=token_bitmask,
             row_drafts=_padded(num_drafts, S),
             prompt_targets=prompt_targets,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
     def _page_writes(self, seqs, slots: np.ndarray, ends: np.ndarray, capacity: int) -> np.ndarray:
@@ -399,6 +449,7 @@ def sampling_inputs(inputs: StepInputs) -> SamplingInputs:
         seeds=inputs.seeds, sample_index=inputs.sample_index,
         want_logprobs=(inputs.row_flags & ROW_LOGPROBS) != 0,
         guided=(inputs.row_flags & ROW_GUIDED) != 0, token_bitmask=inputs.token_bitmask,
+        biased=(inputs.row_flags & ROW_BIASED) != 0, bias_ids=inputs.bias_ids, bias_values=inputs.bias_values,
     )
 
 

@@ -16,8 +16,8 @@ each process runs its own stages' programs, and the activations and the sampled 
 between processes by small ppermute programs (`StageLink`); the follower keeps as many steps in
 flight as there are stages.
 
-The hand-off (`StepChannel`) puts each step's `StepInputs` (a few KB; the token bitmask only
-when a row is guided) into jax.distributed's key-value store under the step's number: the
+The hand-off (`StepChannel`) puts each step's `StepInputs` (a few KB; the token bitmask and the
+logit bias only when a row needs them) into jax.distributed's key-value store under the step's number: the
 leader's send returns at once and involves no device, so with overlapped steps (and a
 pipeline's batches in flight) the leader and the followers go on while earlier steps compute.
 Where jax.distributed's client is not available, it falls back to device collectives
@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from orca_jax.worker.batch_state import ROW_GUIDED, StepInputs, empty_step_inputs
+from orca_jax.worker.batch_state import StepInputs, empty_step_inputs, step_flags, unsent_fields
 from orca_jax.worker.compile_guard import compile_count
 from orca_jax.config import EngineConfig
 
@@ -106,8 +106,8 @@ class StepChannel:
     Transport "kv" (whenever jax.distributed runs): each step is one value in jax.distributed's
     key-value store (the coordination service), under the step's number; the leader's send
     returns at once and no device collective is involved, so the hand-off waits for no step in
-    flight. The token bitmask travels only in steps with a guided row (elsewhere the receiver
-    takes the all-ones mask). The leader deletes step n - KEEP_STEPS when it sends step n: a
+    flight. The optional fields (the token bitmask, the logit bias) travel only in steps with a
+    row that needs them (elsewhere the receiver takes their neutral value). The leader deletes step n - KEEP_STEPS when it sends step n: a
     follower is never that far behind, as every step's collectives (the tensor-parallel
     all-reduces, the pipeline's links) need every process, and the leader completes all but the
     last few steps it sent. Transport "collectives": a header, then the arrays, with
@@ -169,14 +169,16 @@ class StepChannel:
         return f"orca_jax/step/{step}"
 
     def _put(self, kind: int, inputs: StepInputs | None) -> None:
-        """One value: a header (kind, token bucket, guided), then the arrays' bytes in field order."""
+        """One value: a header (kind, token bucket, the step's row flags), then the arrays' bytes in
+        field order, the unsent optional fields left out."""
         if inputs is None:
             payload = np.array([kind, 0, 0], np.int32).tobytes()
         else:
-            guided = bool((inputs.row_flags & ROW_GUIDED).any())
-            parts = [np.array([kind, inputs.num_tokens, guided], np.int32).tobytes()]
+            flags = step_flags(inputs)
+            unsent = unsent_fields(flags=flags)
+            parts = [np.array([kind, inputs.num_tokens, flags], np.int32).tobytes()]
             parts += [np.ascontiguousarray(getattr(inputs, name)).tobytes() for name in _STEP_FIELDS
-                      if guided or name != "token_bitmask"]
+                      if name not in unsent]
             payload = b"".join(parts)
         step = self._next_step
         self._client.key_value_set_bytes(self._key(step), payload)
@@ -194,16 +196,17 @@ class StepChannel:
                 if "DEADLINE_EXCEEDED" not in str(error):
                     raise
         self._next_step += 1
-        kind, num_tokens, guided = (int(x) for x in np.frombuffer(payload, np.int32, count=3))
+        kind, num_tokens, flags = (int(x) for x in np.frombuffer(payload, np.int32, count=3))
         if kind == _STOP:
             self.stopped = True
             return None
         if num_tokens not in self._templates:
             self._templates[num_tokens] = empty_step_inputs(self.config, num_tokens)
         template, offset, fields = self._templates[num_tokens], 12, {}
+        unsent = unsent_fields(flags=flags)
         for name in _STEP_FIELDS:
             like = getattr(template, name)
-            if name == "token_bitmask" and not guided:  # all ones: no row is constrained
+            if name in unsent:  # neutral: no row needs it
                 fields[name] = like
                 continue
             fields[name] = np.frombuffer(payload, like.dtype, count=like.size, offset=offset).reshape(like.shape)

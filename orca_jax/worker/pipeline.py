@@ -63,7 +63,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from orca_jax.distributed import parallel
-from orca_jax.worker.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
+from orca_jax.worker.batch_state import (BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.loading.checkpoint import place_host_params
 from orca_jax.worker.compile_guard import compile_counts
@@ -72,7 +72,7 @@ from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_contex
 from orca_jax.models import abstract_variables, architecture
 from orca_jax.worker.pipeline_layout import (STAGE_AXIS, make_pipeline_mesh, slice_stage_params, stage_holds,
                                       stage_layer_ranges, stage_mesh, stage_processes)
-from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, placed_once
+from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, with_placed_neutral_fields
 from orca_jax.worker.sampling import SampleOutput, sample
 from orca_jax.worker.stage_link import StageLink
 
@@ -94,7 +94,7 @@ class Stage:
     state: object = None
     step: object = None  # the jitted stage program
     programs: dict[int, jax.stages.Compiled] = field(default_factory=dict)
-    free_bitmasks: dict[int, jax.Array] = field(default_factory=dict)
+    neutral_fields: dict[tuple[int, str], jax.Array] = field(default_factory=dict)  # with_placed_neutral_fields
 
     @property
     def replicated(self):
@@ -404,13 +404,13 @@ class PipelineRunner(RunnerBase):
         SampleOutput where it lands (the leader), elsewhere a step whose result() only waits."""
         bucket = inputs.num_tokens
         self._note_inputs(inputs)
-        guided = bool((inputs.row_flags & ROW_GUIDED).any())
         batch, hidden, out = self.num_dispatched, None, None
         self.num_dispatched += 1
         waits = []  # across processes: what this process enqueued, for a follower to wait on
         for stage in self.stages:
             program = self._program(stage, bucket)
-            stage_inputs = inputs if guided else dataclasses.replace(inputs, token_bitmask=self._free_bitmask(stage, inputs))
+            stage_inputs = with_placed_neutral_fields(stage.neutral_fields, inputs,
+                                                      lambda value: parallel.put_replicated(value, stage.mesh))
             args = [stage.params, stage.kv_cache, stage.state, _put_host_leaves(stage_inputs, stage.mesh)]
             if self._receives(stage):
                 # From the previous stage's process: [1, T, D], already on this stage's row.
@@ -435,10 +435,6 @@ class PipelineRunner(RunnerBase):
         if out is None:
             return _FollowerStep(waits)
         return PendingStep(out)
-
-    def _free_bitmask(self, stage: Stage, inputs: StepInputs) -> jax.Array:
-        """The bucket's all-ones token bitmask, on the stage's devices once."""
-        return placed_once(stage.free_bitmasks, inputs, lambda mask: parallel.put_replicated(mask, stage.mesh))
 
 
 class _ReceivedStep(PendingStep):

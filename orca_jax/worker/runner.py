@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from orca_jax.worker import step_export
 from orca_jax.loading import checkpoint
 from orca_jax.distributed import parallel
-from orca_jax.worker.batch_state import (ROW_GUIDED, BatchState, StepInputs, create_device_state, create_token_counts,
+from orca_jax.worker.batch_state import (BatchState, StepInputs, create_device_state, create_token_counts,
                                   empty_step_inputs, expand, record_sampled)
 from orca_jax.worker.compilation_cache import active_cache_dir
 from orca_jax.worker.compile_guard import compile_counts
@@ -45,7 +45,7 @@ from orca_jax.core.kv_cache import choose_num_pages, create_kv_cache, fit_contex
 from orca_jax.models import architecture
 from orca_jax.worker.sampling import sample
 from orca_jax.worker.rejection import verify_drafts
-from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, placed_once
+from orca_jax.worker.runner_base import PendingStep, RunnerBase, WarmupReport, compile_workers, with_placed_neutral_fields
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class ModelRunner(RunnerBase):
                                  out_shardings=(self.kv_sharding, replicated, replicated), donate_argnames=donated)
         self._init_step_numbers()
         self._programs: dict[int, jax.stages.Compiled] = {}
-        self._free_bitmasks: dict[int, jax.Array] = {}  # per token bucket (placed_once)
+        self._neutral_fields: dict[tuple[int, str], jax.Array] = {}  # with_placed_neutral_fields
 
     def _program_key(self, attention_impl: str, keep_logits: bool) -> dict:
         """What fixes the step besides its arguments' shapes (step_export.program_key adds those,
@@ -227,15 +227,11 @@ class ModelRunner(RunnerBase):
     def run(self, inputs: StepInputs) -> PendingStep:
         """Enqueue one step of this process's part (followers call this directly)."""
         program = self._program(inputs)
-        if not (inputs.row_flags & ROW_GUIDED).any():
-            inputs = dataclasses.replace(inputs, token_bitmask=self._free_bitmask(inputs))
+        place = jax.device_put if self.mesh is None else functools.partial(parallel.put_replicated, mesh=self.mesh)
+        inputs = with_placed_neutral_fields(self._neutral_fields, inputs, place)
         self._note_inputs(inputs)
         # One device: numpy goes straight in. Mesh: a replicated global array per field (built
         # from this process's copy; every process holds the same inputs).
         device_inputs = inputs if self.mesh is None else self._put(inputs)
         self.kv_cache, self.state, out = program(self.params, self.kv_cache, self.state, device_inputs)
         return PendingStep(out, wants_prompt=bool((inputs.prompt_targets >= 0).any()))
-
-    def _free_bitmask(self, inputs: StepInputs) -> jax.Array:
-        place = jax.device_put if self.mesh is None else functools.partial(parallel.put_replicated, mesh=self.mesh)
-        return placed_once(self._free_bitmasks, inputs, place)

@@ -1,7 +1,7 @@
 """What the engine's two runners share (`ModelRunner`, one model on one device or one mesh;
 `PipelineRunner`, its layers in stages): the step's way from a scheduled batch to a dispatched
 program (`dispatch` -> `send_and_run` -> the runner's own `run`), the host-side numbers the step
-timeline reads, the bucket check, the multi-host followers' warm-up, the all-ones bitmask placed
+timeline reads, the bucket check, the multi-host followers' warm-up, the neutral optional fields placed
 once per bucket, and what a dispatched step returns (`PendingStep`)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from orca_jax.config import EngineConfig
 from orca_jax.core.scheduler import ScheduledBatch
-from orca_jax.worker.batch_state import BatchState, StepInputs, empty_step_inputs
+from orca_jax.worker.batch_state import BatchState, StepInputs, empty_step_inputs, unsent_fields
 from orca_jax.worker.compile_guard import CompileCounts
 from orca_jax.worker.sampling import SampleOutput
 
@@ -113,14 +113,22 @@ class RunnerBase:
                 self.send_and_run(empty_step_inputs(self.config, bucket)).result()
 
 
-def placed_once(cache: dict[int, jax.Array], inputs: StepInputs, place: Callable[[np.ndarray], jax.Array]) -> jax.Array:
-    """The bucket's all-ones token bitmask, placed on the device(s) once (a step with no guided
-    row sends none: S x V/32 words, 196 KB at S = 32 and V = 49152). device_put, not
-    jnp.asarray: the latter runs a copy program, a compile while serving."""
-    bucket = inputs.num_tokens
-    if bucket not in cache:
-        cache[bucket] = place(np.array(inputs.token_bitmask))
-    return cache[bucket]
+def with_placed_neutral_fields(cache: dict[tuple[int, str], jax.Array], inputs: StepInputs,
+                               place: Callable[[np.ndarray], jax.Array]) -> StepInputs:
+    """`inputs` with each optional field no row needs (batch_state.unsent_fields: the grammar
+    bitmask, the logit bias) replaced by the bucket's neutral copy, placed on the device(s) the
+    first time it is seen. device_put, not jnp.asarray: the latter runs a copy program, a compile
+    while serving."""
+    unsent = unsent_fields(inputs)
+    if not unsent:
+        return inputs
+    fields = {}
+    for name in unsent:
+        key = (inputs.num_tokens, name)
+        if key not in cache:
+            cache[key] = place(np.array(getattr(inputs, name)))
+        fields[name] = cache[key]
+    return dataclasses.replace(inputs, **fields)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Token sampling inside the jitted step, one row per sequence, at the cost each row asks for.
 
-Order of operations (as in vLLM): penalties, the grammar's bitmask, then greedy argmax or temperature, top-k / top-p /
+Order of operations (as in vLLM): logit bias, penalties, the grammar's bitmask, then greedy argmax or temperature, top-k / top-p /
 min-p truncation and a draw. Every optional piece sits behind a `lax.cond` on whether any row
 asks for it, so one compiled program serves every mix:
 
@@ -8,6 +8,7 @@ asks for it, so one compiled program serves every mix:
     all greedy                  a max and a first-index-of-max: two vectorised reductions
     any temperature > 0         one exp pass over [S, V] and a blocked inverse-CDF draw
     any min-p                   + a max
+    any logit_bias row          + a scatter-add of the rows' (token, bias) pairs, [S, 300]
     any guided row              + the rows' grammar bitmask unpacked and applied (a where)
     any top-k / top-p           + a top-256 candidate search, row by row or for the batch
                                   (an exact bisection for a row whose kept set is larger);
@@ -85,10 +86,14 @@ for _cls in (SampleOutput, TokenCounts):
 def sample(logits: jax.Array, inputs: SamplingInputs, max_logprobs: int, counts: TokenCounts) -> SampleOutput:
     """logits f32[S, V] -> SampleOutput."""
     raw_logits = logits.astype(jnp.float32)
+    logits = raw_logits
+    if inputs.bias_ids is not None:
+        logits = jax.lax.cond(jnp.any(inputs.biased), apply_logit_bias, lambda l, *_: l, logits,
+                              inputs.bias_ids, inputs.bias_values)
     uses_penalties = jnp.any(
         (inputs.presence_penalty != 0) | (inputs.frequency_penalty != 0) | (inputs.repetition_penalty != 1)
     )
-    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, raw_logits, inputs, counts)
+    logits = jax.lax.cond(uses_penalties, apply_penalties, lambda l, *_: l, logits, inputs, counts)
     if inputs.token_bitmask is not None:
         logits = jax.lax.cond(jnp.any(inputs.guided), apply_token_bitmask, lambda l, *_: l, logits,
                               inputs.token_bitmask, inputs.guided)
@@ -107,6 +112,14 @@ def greedy(logits: jax.Array) -> jax.Array:
     row_max = logits.max(axis=-1, keepdims=True)
     minus_index = jnp.where(logits == row_max, -jnp.arange(V, dtype=jnp.float32), -jnp.inf)
     return jnp.clip(-minus_index.max(axis=-1), 0, V - 1).astype(jnp.int32)  # clip: a NaN row
+
+
+def apply_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    """OpenAI's logit_bias: each row's biases added to its logits. Unbiased rows and the unused
+    entries of a biased row hold (token 0, bias 0), which add nothing, so no mask is needed; a
+    request's token ids are distinct (dict keys), so no entry is added twice."""
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
+    return logits.at[rows, bias_ids].add(bias_values)
 
 
 def apply_token_bitmask(logits: jax.Array, token_bitmask: jax.Array, guided: jax.Array) -> jax.Array:

@@ -294,7 +294,7 @@ BAD_REQUESTS = [
     ("logprobs-over-limit", "/v1/completions", completion(logprobs=50), 400, "logprobs"),
     ("stream-options-without-stream", "/v1/completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
-    ("logit-bias-unsupported", "/v1/completions", completion(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    ("logit-bias-not-a-token-id", "/v1/completions", completion(logit_bias={"five": 1.0}), 400, "logit_bias"),
     ("cache-salt-empty", "/v1/completions", completion(cache_salt=""), 400, "cache_salt"),
     ("cache-salt-number", "/v1/completions", completion(cache_salt=5), 400, "cache_salt"),
     ("chat-cache-salt-empty", "/v1/chat/completions", chat(cache_salt=""), 400, "cache_salt"),

@@ -91,6 +91,19 @@ def test_bad_words_change_the_reply(live):
     assert banned != free and not banned.lstrip().startswith(word), (word, free, banned)
 
 
+def test_logit_bias_forces_or_bans_tokens_on_both_endpoints(live):
+    word = tokenize(live, prompt=" lazy", add_special_tokens=False)[0]
+    forced = complete(live, logit_bias={str(word): 100}, ignore_eos=True)
+    assert forced["choices"][0]["text"] == live[1].tokenizer.decode([word] * 8)
+    free = complete(live, ignore_eos=True)["choices"][0]["text"]
+    first = tokenize(live, prompt=free, add_special_tokens=False)[0]
+    banned = complete(live, logit_bias={str(first): -100}, ignore_eos=True)["choices"][0]["text"]
+    assert tokenize(live, prompt=banned, add_special_tokens=False)[0] != first, (free, banned)
+    chat = post(live, "/v1/chat/completions", dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                                   ignore_eos=True, logit_bias={str(word): 100}))
+    assert chat.json()["choices"][0]["message"]["content"] == live[1].tokenizer.decode([word] * 4)
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(live):
     bos = live[1].tokenizer.bos_token_id
     fields = dict(allowed_token_ids=[bos], max_tokens=3, ignore_eos=True)
@@ -137,14 +150,16 @@ def test_prompt_logprobs_on_both_endpoints(live):
 @pytest.mark.parametrize("field, value", [
     ("min_tokens", -1), ("min_tokens", 99), ("bad_words", [" "]), ("allowed_token_ids", []),
     ("allowed_token_ids", [10 ** 6]), ("truncate_prompt_tokens", 0), ("spaces_between_special_tokens", False),
-    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("use_beam_search", True), ("priority", 3), ("logit_bias", {"5": 10}),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("use_beam_search", True), ("priority", 3),
+    ("logit_bias", {"x": 10}), ("logit_bias", {"5": "much"}), ("logit_bias", {str(10 ** 6): 1}),
+    ("logit_bias", {str(t): 1 for t in range(301)}),
 ])
 def test_bad_or_unsupported_values_are_refused_naming_the_field(live, field, value):
     for path, body in (("/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=8)),
                        ("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=8))):
         error = refused(live, path, body | {field: value})
-        assert error["param"] == field, (path, error)
+        assert error["param"] == field or error["param"].startswith(field + "."), (path, error)
 
 
 # ---- chat rendering ----------------------------------------------------------------------------

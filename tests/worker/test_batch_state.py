@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca_jax.worker.batch import build_batch
-from orca_jax.worker.batch_state import (PENDING_TOKEN, ROW_JOINS, ROW_LOGPROBS, ROW_SAMPLES, BatchState, StepInputs,
-                                  create_device_state, create_token_counts, empty_step_inputs, expand,
-                                  page_write_capacity, record_sampled)
+from orca_jax.worker.batch_state import (OPTIONAL_FIELDS, PENDING_TOKEN, ROW_BIASED, ROW_JOINS, ROW_LOGPROBS,
+                                  ROW_SAMPLES, BatchState, StepInputs, create_device_state, create_token_counts,
+                                  empty_step_inputs, expand, page_write_capacity, record_sampled, unsent_fields)
+from orca_jax.core.sampling_params import MAX_LOGIT_BIAS
 from orca_jax.config import MAX_CACHED_PAGES_PER_STEP, EngineConfig, ModelConfig
 from orca_jax.core.kv_cache import PADDING_PAGE, PageAllocator
 from orca_jax.worker.runner_base import PendingStep
@@ -432,9 +433,10 @@ def test_step_inputs_bytes_are_bounded_whatever_the_context(prefix_caching):
     each), C = S + T/ps + 1 page writes plus, with prefix caching, room for one cached prefix's
     pages, at most MAX_CACHED_PAGES_PER_STEP. At T = S = 256 and page size 16: 19,596 bytes at
     any max_model_len without caching; with it, 23,692 at 8,192 tokens of context (the cap) and
-    the same at 32,768; all far below 64 KB. The token
-    bitmask (S x ceil(V / 32) words) is part of StepInputs but crosses only in steps with a
-    guided row (the runner keeps an all-ones one on the device), so it is counted apart."""
+    the same at 32,768; all far below 64 KB. The optional fields (the token bitmask, S x
+    ceil(V / 32) words, and the logit bias, S x MAX_LOGIT_BIAS pairs) are part of StepInputs but
+    cross only in steps with a row that needs them (the runner keeps their neutral values on
+    the device), so they are counted apart."""
     T = 256
     sizes = {}
     for max_model_len in (2048, 8192, 32768):
@@ -446,7 +448,9 @@ def test_step_inputs_bytes_are_bounded_whatever_the_context(prefix_caching):
         S, C = config.seq_bucket(T), page_write_capacity(config, T)
         assert (S, C) == (256, 273 + cached) and inputs.num_tokens == T
         assert inputs.token_bitmask.shape == (S, -(-MODEL.vocab_size // 32))
-        sizes[max_model_len] = inputs.nbytes - inputs.token_bitmask.nbytes
+        assert inputs.bias_ids.shape == inputs.bias_values.shape == (S, MAX_LOGIT_BIAS)
+        assert unsent_fields(inputs) == tuple(OPTIONAL_FIELDS)
+        sizes[max_model_len] = inputs.nbytes - sum(getattr(inputs, name).nbytes for name in OPTIONAL_FIELDS)
         # A real step of 256 decodes is the same size (fixed shapes per bucket).
         sched = Scheduler(config, PageAllocator(config.num_pages, config.page_size))
         batch_state = BatchState(config)
@@ -474,6 +478,32 @@ def test_step_inputs_flags_and_parameters_per_row():
     S = config.seq_bucket(inputs.num_tokens)
     assert inputs.row_slot[2:].tolist() == [config.max_num_seqs] * (S - 2), "padding rows use the sink"
     assert inputs.row_len[2:].sum() == 0 and inputs.row_flags[2:].sum() == 0
+
+
+def test_a_rows_logit_bias_follows_its_slot_and_is_sent_only_with_a_biased_row():
+    config = make_config("ps4", num_pages=32)
+    sched = Scheduler(config, PageAllocator(config.num_pages, config.page_size))
+    state = BatchState(config)
+    biased = Sequence(0, "a", 0, [1, 2, 3], SamplingParams(max_tokens=1, logit_bias={5: 2.0, 9: -100.0}), 0)
+    free = Sequence(1, "b", 0, [4, 5], SamplingParams(max_tokens=4), 0)
+    sched.add(biased)
+    sched.add(free)
+    inputs = state.build(sched.schedule())
+    flags = inputs.row_flags[:2]
+    assert ((flags & ROW_BIASED) != 0).tolist() == [True, False] and unsent_fields(inputs) == ("token_bitmask",)
+    assert inputs.bias_ids[0, :3].tolist() == [5, 9, 0] and inputs.bias_values[0, :3].tolist() == [2.0, -100.0, 0.0]
+    assert not inputs.bias_ids[1:].any() and not inputs.bias_values[1:].any()
+    # The slot's next sequence starts from no bias.
+    successor = Sequence(3, "d", 0, [7], SamplingParams(max_tokens=4), 0)
+    successor.slot = biased.slot
+    state._join(successor)
+    assert not state.has_bias[biased.slot] and not state.bias_values[biased.slot].any()
+    # A step of free rows only carries the neutral (all-zero) table and says so.
+    alone = BatchState(config)
+    sched2 = Scheduler(config, PageAllocator(config.num_pages, config.page_size))
+    sched2.add(Sequence(2, "c", 0, [4, 5], SamplingParams(max_tokens=4), 0))
+    plain = alone.build(sched2.schedule())
+    assert set(unsent_fields(plain)) == set(OPTIONAL_FIELDS) and not plain.bias_values.any()
 
 
 # ---- SlotAllocator ------------------------------------------------------------------------------

@@ -145,10 +145,10 @@ def dist_model_config():
 
 
 def test_steps_cross_the_key_value_store_whole_and_in_order(monkeypatch):
-    """Each step one value under its number; the token bitmask only with a guided row (the
-    receiver fills in all ones); stop ends the receiver's loop; old steps are deleted."""
+    """Each step one value under its number; the token bitmask only with a guided row and the
+    logit bias only with a biased one (the receiver fills in their neutral values); stop ends the receiver's loop; old steps are deleted."""
     from orca_jax.worker import multihost
-    from orca_jax.worker.batch_state import ROW_GUIDED, empty_step_inputs
+    from orca_jax.worker.batch_state import OPTIONAL_FIELDS, ROW_BIASED, ROW_GUIDED, empty_step_inputs
     from orca_jax.config import EngineConfig
 
     store = FakeKeyValueStore()
@@ -160,7 +160,7 @@ def test_steps_cross_the_key_value_store_whole_and_in_order(monkeypatch):
     assert leader.transport == follower.transport == "kv"
     rng = np.random.default_rng(0)
     steps = []
-    for bucket, guided in [(8, False), (16, True), (8, False)]:
+    for bucket, guided, biased in [(8, False, False), (16, True, False), (8, False, True), (16, True, True)]:
         inputs = empty_step_inputs(config, bucket)
         inputs.input_ids[:] = rng.integers(0, 500, bucket)
         inputs.num_seqs[:] = 1
@@ -168,16 +168,23 @@ def test_steps_cross_the_key_value_store_whole_and_in_order(monkeypatch):
             inputs.row_flags[0] = ROW_GUIDED
             inputs = dataclasses.replace(inputs, token_bitmask=inputs.token_bitmask.copy())
             inputs.token_bitmask[0] = rng.integers(-2**31, 2**31, inputs.token_bitmask.shape[1])
+        if biased:
+            inputs.row_flags[1] |= ROW_BIASED
+            inputs = dataclasses.replace(inputs, bias_ids=inputs.bias_ids.copy(), bias_values=inputs.bias_values.copy())
+            inputs.bias_ids[1, :3], inputs.bias_values[1, :3] = [7, 9, 400], [1.5, -100.0, 3.0]
         leader.send(inputs)
         steps.append(inputs)
         value = store.values[leader._key(len(steps) - 1)]
-        # The header (12 bytes) and the arrays; the bitmask only with a guided row.
-        assert len(value) == 12 + inputs.nbytes - (0 if guided else inputs.token_bitmask.nbytes)
+        # The header (12 bytes) and the arrays; the bitmask only with a guided row, the bias with a biased one.
+        needed = {"token_bitmask": guided, "bias_ids": biased, "bias_values": biased}
+        assert set(needed) == set(OPTIONAL_FIELDS)
+        unsent = sum(getattr(inputs, name).nbytes for name, sent in needed.items() if not sent)
+        assert len(value) == 12 + inputs.nbytes - unsent
         got = follower.receive()
         for name in multihost._STEP_FIELDS:
             np.testing.assert_array_equal(getattr(got, name), getattr(inputs, name), err_msg=name)
     leader.send_stop()
     assert follower.receive() is None and follower.stopped
-    assert sorted(store.values) == [leader._key(2), leader._key(3)]  # steps 0 and 1 deleted
+    assert sorted(store.values) == [leader._key(3), leader._key(4)]  # steps 0 to 2 deleted
     with pytest.raises(RuntimeError, match="after the followers were stopped"):
         leader.send(steps[0])

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from orca_jax.worker.batch import SamplingInputs
-from orca_jax.worker.sampling import (NUM_CANDIDATES, TokenCounts, apply_penalties, apply_token_bitmask, greedy,
-                                inverse_cdf, sample, truncates, truncation_cutoffs)
+from orca_jax.worker.sampling import (NUM_CANDIDATES, TokenCounts, apply_logit_bias, apply_penalties,
+                                apply_token_bitmask, greedy, inverse_cdf, sample, truncates, truncation_cutoffs)
 
 MAX_LOGPROBS = 5
 sample_jit = jax.jit(sample, static_argnames=("max_logprobs",))
@@ -610,3 +610,49 @@ def test_a_batch_without_guided_rows_ignores_the_bitmask():
     out = run(logits, guided_inputs(S, [False] * S, nothing_allowed, temperature=0.9, seeds=np.arange(S)))
     plain = run(logits, make_inputs(S, temperature=0.9, seeds=np.arange(S)))
     np.testing.assert_array_equal(out.tokens, plain.tokens)
+
+
+def biased_inputs(S, biases: dict[int, dict[int, float]], width: int = 300, **overrides) -> SamplingInputs:
+    """Sampler inputs whose rows in `biases` carry those (token -> bias) maps, as batch_state lays them out."""
+    ids, values, biased = np.zeros((S, width), np.int32), np.zeros((S, width), np.float32), np.zeros(S, bool)
+    for row, bias in biases.items():
+        biased[row] = True
+        ids[row, :len(bias)], values[row, :len(bias)] = list(bias), list(bias.values())
+    return dataclasses.replace(make_inputs(S, **overrides), biased=biased, bias_ids=ids, bias_values=values)
+
+
+def test_logit_bias_adds_each_rows_biases_and_nothing_else():
+    S, V = 4, 500
+    logits = random_logits(50, S, V)
+    inputs = biased_inputs(S, {1: {0: 3.5, 7: -100.0, 499: 2.0}, 3: {250: 0.25}})
+    added = np.asarray(jax.jit(apply_logit_bias)(logits, inputs.bias_ids, inputs.bias_values))
+    expected = np.array(logits, np.float32)
+    expected[1, [0, 7, 499]] += [3.5, -100.0, 2.0]
+    expected[3, 250] += 0.25
+    np.testing.assert_array_equal(added, expected)  # exact: untouched entries keep their bits
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.8, seeds=np.arange(6, dtype=np.uint32)),
+                                    dict(temperature=0.7, top_k=20, repetition_penalty=1.3)],
+                         ids=["greedy", "temperature", "top-k-penalty"])
+def test_biased_rows_sample_as_from_biased_logits_and_free_rows_are_untouched(params):
+    """The bias comes before penalties and truncation (vLLM's order): a biased row draws what it
+    draws from logits that had the bias added; others draw as with no bias; the log-probabilities
+    stay the raw model's."""
+    S, V = 6, 400
+    logits = random_logits(51, S, V)
+    rng = np.random.default_rng(52)
+    biases = {row: {int(t): float(b) for t, b in zip(rng.choice(V, 40, replace=False), rng.uniform(-8, 8, 40))}
+              for row in (0, 2, 5)}
+    common = dict(want_logprobs=True, **params)
+    counts = make_counts(V, [np.arange(0, V, 9)] * S, [np.arange(4, V, 13)] * S)
+    out = run(logits, biased_inputs(S, biases, **common), counts=counts)
+    pre_biased = np.array(logits, np.float32)
+    for row, bias in biases.items():
+        pre_biased[row, list(bias)] += list(bias.values())
+    reference = run(pre_biased, make_inputs(S, **common), counts=counts)
+    plain = run(logits, make_inputs(S, **common), counts=counts)
+    rows = np.array([row in biases for row in range(S)])
+    np.testing.assert_array_equal(out.tokens[rows], reference.tokens[rows])
+    np.testing.assert_array_equal(out.tokens[~rows], plain.tokens[~rows])
+    np.testing.assert_allclose(out.top_logprobs, plain.top_logprobs, rtol=1e-6)
