@@ -225,7 +225,7 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(
         model_name=_served_model_name(args, config), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        chat_template=read_chat_template(args.chat_template),
+        reasoning_parser=args.reasoning_parser, chat_template=read_chat_template(args.chat_template),
         default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
         allowed_origins=parse_json_list(args.allowed_origins, "--allowed-origins"),
         allowed_methods=parse_json_list(args.allowed_methods, "--allowed-methods"),
@@ -296,6 +296,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     # The server's own defaults are applied in cmd_serve: importing orca_jax.entrypoints.server here (FastAPI,
     # pydantic: ~0.5 s) would charge every `generate` for a parser it does not use.
     from orca_jax.entrypoints.tool_parsers import TOOL_PARSERS
+    from orca_jax.entrypoints.reasoning_parsers import REASONING_PARSERS
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
@@ -313,6 +314,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how tool calls are read out of the reply: hermes (<tool_call>{json}</tool_call>: "
                              "Qwen2.5/Qwen3, Hermes, ...) or llama3_json (Llama 3.1+)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split a thinking model's <think> reasoning into the message's reasoning field (and "
+                             "reasoning_content): deepseek_r1 (DeepSeek-R1 and its distills) or qwen3; tool calls "
+                             "and structured outputs then apply to the answer after it")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                         help="the chat template to render conversations with instead of the model's: a Jinja "
                              "file, or the template itself")

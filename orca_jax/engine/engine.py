@@ -261,8 +261,10 @@ class LLMEngine:
                          token_rules=rules)
                 for i in range(params.n)]
         if params.structured_outputs is not None:
+            starts_after = params.structured_outputs.starts_after
+            waits_for = tuple(self._encode_plain(starts_after)) if starts_after else None
             for seq in seqs:
-                seq.guided = GuidedState()
+                seq.guided = GuidedState(waits_for)
         self._validate_lengths(seqs[0])
         detoks = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
@@ -520,6 +522,9 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.guided is not None and stops[i] is None:
                 stops[i] = self._advance_grammar(seq, token)
+            elif seq.guided is not None and seq.guided.dormant and stops[i][0] == "stop":
+                stops[i] = self._fail_constraint(seq, "the output ended before its reasoning did, so its "
+                                                      "constraint never began")
         return stops
 
     def _advance_grammar(self, seq: Sequence, token: int):
@@ -530,7 +535,9 @@ class LLMEngine:
         accepted = seq.guided.accept(token)
         if accepted and not seq.guided.failed:
             return ("stop", None) if seq.guided.finished else None
-        reason = _first_line(seq.guided.error) or f"token {token} refused"
+        return self._fail_constraint(seq, _first_line(seq.guided.error) or f"token {token} refused")
+
+    def _fail_constraint(self, seq: Sequence, reason: str):
         logger.error("sequence %d: its output constraint failed (%s); failing its request", seq.seq_id, reason)
         request = self.requests.get(seq.request_id)
         if request is not None and request.error is None:

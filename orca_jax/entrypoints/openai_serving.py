@@ -39,6 +39,7 @@ from orca_jax.engine.async_engine import (AsyncLLMEngine, EngineStoppedError, Qu
                                    RequestStream)
 from orca_jax.errors import CONSTRAINT_FAILED, RequestError
 from orca_jax.entrypoints.chat_template import apply_chat_template
+from orca_jax.entrypoints.reasoning_parsers import ReasoningParser, ReasoningStream, message_fields
 from orca_jax.entrypoints.chat_tools import NO_TOOLS, StreamedChoice, ToolPlan, chat_message, finish_reason, plan_tools
 from orca_jax.engine.outputs import CompletionOutput, RequestOutput
 from orca_jax.entrypoints.protocol import (ChatCompletionRequest, ClientName, CompletionRequest, DetokenizeRequest,
@@ -90,8 +91,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
                  on_reject: Callable[[str], None] | None = None, auto_tool_parser: str | None = None,
                  chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
-                 log_requests: bool = False, max_log_len: int | None = None):
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.engine = engine
+        # --reasoning-parser: the reasoning apart from the content, in both response shapes.
+        self.reasoning = reasoning
         # --enable-log-requests: one line per request (id, prompt length, sampling parameters);
         # the prompt's text only with --max-log-len, cut to that many characters.
         self.log_requests = log_requests
@@ -239,15 +243,22 @@ class OpenAIServing:
             max_tokens = max(1, self._room(self._kept_length(len(prompt_ids), request.truncate_prompt_tokens)))
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
         params = _constrained(params, request, names, plan)
+        prompt_text = self.tokenizer.decode(prompt_ids) if self.reasoning is not None else ""
+        if self.reasoning is not None and params.structured_outputs is not None:
+            # The answer is constrained, not the reasoning before it.
+            starts_after = self.reasoning.constraint_waits_for(prompt_text)
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, starts_after=starts_after))
         self._check_room(self._kept_length(len(prompt_ids), params.truncate_prompt_tokens), params.max_tokens, request.max_tokens_field)
         submitted = await self._submit("chatcmpl", [prompt_ids], params, names, request.cache_salt, request_id)
         submitted.prompt_texts = [""]
         if request.stream:
-            return EventStream(self._chat_chunks(request, plan, submitted, wait_for_disconnect), submitted.abort_all)
+            return EventStream(self._chat_chunks(request, plan, submitted, wait_for_disconnect, prompt_text),
+                               submitted.abort_all)
         (output,) = await _collect(submitted, wait_for_disconnect)
         choices = [{
             "index": c.index,
-            **chat_message(request.echo_text + c.text, c.finish_reason, plan),
+            **self._chat_message(request, plan, c, prompt_text),
             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, request) if request.logprobs else None,
         } for c in output.outputs]
         body = {
@@ -257,6 +268,21 @@ class OpenAIServing:
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_body(output.prompt_logprobs, request.prompt_logprobs)
         return body
+
+    def _chat_message(self, request: ChatCompletionRequest, plan: ToolPlan, completion: CompletionOutput,
+                      prompt_text: str) -> dict:
+        """The choice's message and finish reason: the reasoning apart (with a reasoning parser),
+        tool calls parsed out of the content."""
+        if self.reasoning is None:
+            return chat_message(request.echo_text + completion.text, completion.finish_reason, plan)
+        reasoning, content = message_fields(self.reasoning, completion.text, prompt_text)
+        choice = chat_message(request.echo_text + content, completion.finish_reason, plan)
+        message = choice["message"]
+        if reasoning and not message["content"]:
+            message["content"] = None  # all reasoning: no answer yet (cut off), as vLLM reports it
+        if request.include_reasoning:
+            message.update(reasoning)
+        return choice
 
     def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
@@ -276,7 +302,7 @@ class OpenAIServing:
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
     async def _chat_chunks(self, request: ChatCompletionRequest, plan: ToolPlan, submitted: _Submitted,
-                           wait_for_disconnect: WaitForDisconnect) -> AsyncIterator[str]:
+                           wait_for_disconnect: WaitForDisconnect, prompt_text: str = "") -> AsyncIterator[str]:
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = {"id": submitted.request_id, "object": "chat.completion.chunk", "created": submitted.created,
                     "model": self.model_name, "choices": choices}
@@ -297,6 +323,9 @@ class OpenAIServing:
         # says what to send (content, a call's header, argument fragments).
         streams = {i: StreamedChoice(plan.parser, echo) for i in range(request.n)} \
             if plan.parses_tool_calls else {}
+        # With a reasoning parser, each choice's text is split first; its content goes on as above.
+        reasonings = {i: ReasoningStream(self.reasoning, prompt_text) for i in range(request.n)} \
+            if self.reasoning is not None else {}
         async for _, output in _stream_outputs(submitted, wait_for_disconnect):
             if isinstance(output, OpenAIError):
                 yield _sse(output.body())
@@ -314,10 +343,16 @@ class OpenAIServing:
                 logprobs = None
                 if request.logprobs and new_ids:
                     logprobs = self._chat_logprobs(new_ids, _delta_logprobs(c), request)
+                final = c.finish_reason is not None
+                deltas, content = [], c.delta_text
+                if c.index in reasonings:
+                    reasoning, content = reasonings[c.index].update(c.delta_text, final)
+                    if reasoning and request.include_reasoning:
+                        deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})
                 if c.index in streams:
-                    deltas = streams[c.index].update(c.delta_text, c.finish_reason is not None)
-                else:
-                    deltas = [{"content": c.delta_text}] if c.delta_text else []
+                    deltas += streams[c.index].update(content, final)
+                elif content:
+                    deltas.append({"content": content})
                 if logprobs is not None and not deltas:
                     deltas = [{"content": ""}]
                 for delta in deltas:

@@ -500,6 +500,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the reply.
+    include_reasoning: bool = True
 
     @field_validator("functions", "function_call")
     @classmethod

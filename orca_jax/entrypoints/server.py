@@ -42,6 +42,7 @@ from orca_jax.errors import RequestError
 from orca_jax.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                            TokenizeRequest, error_body, parse_request,
                                            request_error_to_openai)
+from orca_jax.entrypoints.reasoning_parsers import reasoning_parser
 from orca_jax.entrypoints.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class ServerSettings:
     # Tool calling (orca_jax.entrypoints.chat_tools): tool_choice "auto" needs both, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser (orca_jax.entrypoints.reasoning_parsers): a thinking model's reasoning
+    # in the message's `reasoning` field, apart from its content.
+    reasoning_parser: str | None = None
     # --chat-template (the template's text, or a file holding it) and
     # --default-chat-template-kwargs (template variables every chat request starts from).
     chat_template: str | None = None
@@ -81,6 +85,7 @@ class ServerSettings:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, listing the known ones
+        reasoning_parser(self.reasoning_parser)  # the same for the reasoning parser
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -169,7 +174,8 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
                             engine.config.max_model_len, on_reject=metrics.reject,
                             auto_tool_parser=settings.auto_tool_parser, chat_template=settings.chat_template,
                             default_chat_template_kwargs=settings.default_chat_template_kwargs,
-                            log_requests=settings.enable_log_requests, max_log_len=settings.max_log_len)
+                            log_requests=settings.enable_log_requests, max_log_len=settings.max_log_len,
+                            reasoning=reasoning_parser(settings.reasoning_parser))
 
     def client_request_id(raw: Request) -> str | None:
         if not settings.enable_request_id_headers:

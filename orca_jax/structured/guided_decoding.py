@@ -134,32 +134,45 @@ class GuidedState:
     """One constrained sequence's grammar state. `matcher` is None until its grammar has been
     compiled (the scheduler does not admit the sequence before)."""
 
-    __slots__ = ("matcher", "num_consumed", "mask_words")
+    __slots__ = ("matcher", "num_consumed", "mask_words", "waits_for", "_recent")
 
-    def __init__(self):
+    def __init__(self, starts_after: tuple[int, ...] | None = None):
         self.matcher = None
-        self.num_consumed = 0  # output tokens the matcher has taken
+        self.num_consumed = 0  # output tokens seen (the matcher takes those after starts_after)
         self.mask_words = 0  # int32 words of the matcher's mask (its vocabulary / 32)
+        # StructuredOutputsParams.starts_after as token ids: until the output ends with them the
+        # grammar sleeps (masks nothing, takes no token); None: it is awake.
+        self.waits_for = tuple(starts_after) if starts_after else None
+        self._recent: tuple[int, ...] = ()
 
     @property
     def ready(self) -> bool:
         return self.matcher is not None
 
+    @property
+    def dormant(self) -> bool:
+        return self.waits_for is not None
+
     def accept(self, token: int) -> bool:
         """Advance by a token the sequence appended; False if the grammar refuses it."""
         self.num_consumed += 1
+        if self.waits_for is not None:
+            self._recent = (self._recent + (token,))[-len(self.waits_for):]
+            if self._recent == self.waits_for:
+                self.waits_for = None  # the constraint starts with the next token
+            return True
         return bool(self.matcher.consume_token(token))
 
     @property
     def finished(self) -> bool:
         """Nothing but the end can follow (the grammar is complete)."""
-        return bool(self.matcher.is_stopped()) and not self.failed
+        return not self.dormant and bool(self.matcher.is_stopped()) and not self.failed
 
     @property
     def failed(self) -> bool:
         """The matcher gave up (a limit of its parser passed): the output so far does not
         satisfy the constraint, and no further token can be checked."""
-        return bool(self.matcher.is_error())
+        return not self.dormant and bool(self.matcher.is_error())
 
     @property
     def error(self) -> str:
@@ -284,7 +297,7 @@ def step_token_bitmask(scheduled, num_rows: int, vocab_size: int) -> tuple[np.nd
                                                            and seq.guided.num_consumed != len(seq.output_token_ids))):
             raise RuntimeError(f"sequence {seq.seq_id}: its mask is behind its tokens (a sequence whose mask reads "
                                "its output was scheduled while its last token was still on the device)")
-        if seq.guided is not None:
+        if seq.guided is not None and not seq.guided.dormant:
             grammar_rows.append((row, seq.guided))
             masked[row] = True
         if seq.token_rules is not None and seq.token_rules.in_force(num_output):

@@ -13,6 +13,9 @@ every object of a JSON schema that does not say otherwise (`additionalProperties
 schema's properties are then the only keys, where JSON Schema's default lets a model go on
 adding keys of its own until max_tokens cuts the JSON short.
 
+`starts_after` leaves the output free until it holds that text (the reasoning of a thinking
+model: orca_jax.entrypoints.reasoning_parsers), and constrains what follows.
+
 `disable_any_whitespace` writes JSON compactly (`{"a":1}`); by default JSON is written with one
 space after ':' and ',' and no other whitespace, which reads like what models were trained on
 while leaving a small model no room to wander into endless newlines.
@@ -44,6 +47,10 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    # The constraint starts once the output holds this text's tokens (a reasoning model's end of
+    # reasoning, set by the server's --reasoning-parser); the output before it is free. Not part
+    # of the grammar, so not of its cache key.
+    starts_after: str | None = None
 
     def __post_init__(self):
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
