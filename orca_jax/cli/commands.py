@@ -30,7 +30,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # Engine flags default to None ("not given") so that only flags typed on the command line
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
-ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+ENGINE_FLAGS = ("model", "tokenizer", "revision", "generation_config", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                 "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
@@ -40,14 +40,22 @@ CACHE_OFF_FLAGS = {"no_compilation_cache": "compilation_cache_dir", "no_model_ca
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from orca_jax.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
+    from orca_jax.config import ATTENTION_IMPLS, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
     parser.add_argument("--config", default=None, metavar="PRESET",
                         help="a preset: a name from configs/ (e.g. smollm2-cpu) or a .toml file; flags override it")
     parser.add_argument("--model", default=None,
                         help="HF directory, .gguf file, orca_jax checkpoint or hub id "
                              "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=("auto", *DTYPES),
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory or hub id to use instead of the model's (default: the model's)")
+    parser.add_argument("--revision", default=None,
+                        help="the branch, tag or commit of a hub id --model (refused for a local path)")
+    parser.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                        help="request defaults for temperature, top_p, top_k, min_p, repetition_penalty: auto, "
+                             "the model's generation_config.json; vllm, none; or DIR's generation_config.json; "
+                             "a request's own values win (default: auto)")
+    parser.add_argument("--dtype", default=None, choices=("auto", *DTYPES, *DTYPE_ALIASES),
                         help="weights and activations; auto: the checkpoint's dtype on GPU/TPU, float32 on CPU "
                              f"(default: {EngineConfig.dtype})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),

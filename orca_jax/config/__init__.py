@@ -25,7 +25,9 @@ from orca_jax.config.speculative import SpeculativeConfig
 SCHEDULING_POLICIES = ("iteration", "request", "request_padded")
 # "auto" picks by backend (`kernels.resolve_impl`); the others are the kernel registry's.
 ATTENTION_IMPLS = ("auto", *kernels.available_impls())
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's spelling of float16, accepted as it (and made "float16" on construction).
+DTYPE_ALIASES = {"half": "float16"}
 # The KV cache's dtypes: the model's float ones, and 8-bit values with a scale per token and head
 # (orca_jax/kernels/kv_quant.py); "fp8" is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = (*DTYPES, *kv_quant.KV_CACHE_DTYPES, "fp8")
@@ -182,13 +184,20 @@ class EngineConfig:
     """Serving settings. Names follow vLLM where vLLM has the knob."""
 
     model: str | None = None
+    # The tokenizer's directory, file or hub id when it is not the model's (vLLM's --tokenizer).
+    tokenizer: str | None = None
+    # A hub id's branch, tag or commit (vLLM's --revision); for hub ids only.
+    revision: str | None = None
+    # Where request defaults for sampling come from (orca_jax.loading.generation_config):
+    # "auto" the model's generation_config.json, "vllm" none, or a directory holding one.
+    generation_config: str = "auto"
     # "auto": the checkpoint's dtype on GPUs and TPUs, float32 on CPU (orca_jax.loading.dtype_policy);
     # the engine resolves it before loading the model.
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "half"] = "auto"
     # "auto": the model dtype, except float32 on CPU, where XLA has no bfloat16 scatter/gather
     # and would convert the whole cache around every KV write and read. "int8" / "fp8_e4m3":
     # 8-bit values with a bfloat16 scale per token and head, about twice the tokens of bfloat16.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "half", "int8", "fp8_e4m3", "fp8"] = "auto"
     # Weights quantized at load time (orca_jax/kernels/quantization.py): "int8" (per output channel,
     # W8A16), "fp8" (e4m3 where the device has fp8 units, else int8, said in the log), "gguf"
     # (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks kept). None: floats in `dtype`, or what an
@@ -244,9 +253,13 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        object.__setattr__(self, "kv_cache_dtype", DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         errors = []
         if self.dtype not in ("auto", *DTYPES):
             errors.append(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            errors.append(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
             errors.append(f"kv_cache_dtype must be 'auto' or one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

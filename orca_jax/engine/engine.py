@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from pathlib import Path
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -44,7 +45,8 @@ from orca_jax.structured.guided_decoding import GrammarCompiler, GuidedState
 from orca_jax.structured.token_rules import TokenRules
 from orca_jax.kernels import resolve_impl
 from orca_jax.core.kv_cache import PageAllocator
-from orca_jax.loading.loader import load_model
+from orca_jax.loading.generation_config import sampling_defaults
+from orca_jax.loading.loader import load_model, load_tokenizer_from
 from orca_jax.engine.outputs import RequestOutput
 from orca_jax.engine.request import Request, make_output, split_prompt
 from orca_jax.worker.pipeline import PipelineRunner
@@ -83,7 +85,7 @@ def _resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
     """dtype="auto" made concrete for this backend and checkpoint, before the model loads in it."""
     if config.dtype != "auto":
         return config
-    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), config.model)
+    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), config.model, config.revision)
     logger.info("dtype auto: %s on backend %s", dtype, jax.default_backend())
     return dataclasses.replace(config, dtype=dtype)
 
@@ -103,11 +105,15 @@ class LLMEngine:
         configure_for_process(config.compilation_cache_dir or None)
         config = _resolve_auto_dtype(config)
         loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir,
-                            quantization=resolve_method(config.quantization, jax.local_devices()[0]))
+                            quantization=resolve_method(config.quantization, jax.local_devices()[0]),
+                            revision=config.revision)
         loaded_at = time.perf_counter()
         self.model_config = loaded.config
         self.config = config.resolve(loaded.config)
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = loaded.tokenizer if config.tokenizer is None else load_tokenizer_from(config.tokenizer)
+        # What a request's missing sampling fields take (--generation-config).
+        self.sampling_defaults = sampling_defaults(config.generation_config, Path(loaded.source))
+        self._check_sampling_defaults()
         self.attention_impl = resolve_impl(self.config.attention_impl)
         # A mesh for tensor parallelism, and always with several processes (multi-host): then
         # process 0 (this engine's scheduler) hands every batch to the others.
@@ -232,6 +238,18 @@ class LLMEngine:
         for request in prepared.values():
             self._queue(request)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended values (generation_config.json) where it
+        has them: what a request without params gets."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def _check_sampling_defaults(self) -> None:
+        try:
+            self.default_sampling_params()
+        except RequestError as exc:
+            raise ValueError(f"--generation-config {self.config.generation_config}: the model's "
+                             f"generation_config.json holds a value SamplingParams refuses: {exc}") from None
+
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size
         outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
@@ -242,7 +260,7 @@ class LLMEngine:
     def _prepare(self, request_id: str, prompt, params: SamplingParams | None, cache_salt: str | None) -> Request:
         """Everything add_request checks, without touching the engine's state."""
         prompt, cache_salt = split_prompt(prompt, cache_salt)
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:

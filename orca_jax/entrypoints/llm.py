@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what a call without sampling_params uses (the model's generation_config.json
+        sampling values, unless generation_config="vllm")."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -52,7 +57,7 @@ class LLM:
         "cache_salt" shares cached prefix pages only with prompts of the same salt); outputs in
         prompt order."""
         prompts = _as_prompt_list(prompts)
-        params = _final_only(_as_params_list(sampling_params, len(prompts)))
+        params = _final_only(_as_params_list(sampling_params, len(prompts), self.engine))
         request_ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -128,9 +133,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     return list(prompts)
 
 
-def _as_params_list(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
+def _as_params_list(params, count: int, engine) -> list[SamplingParams]:
+    if params is None:  # vLLM's rule: the model's recommended values (--generation-config)
+        return [engine.default_sampling_params() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

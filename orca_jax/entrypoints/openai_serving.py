@@ -96,6 +96,8 @@ class OpenAIServing:
         self.engine = engine
         # --reasoning-parser: the reasoning apart from the content, in both response shapes.
         self.reasoning = reasoning
+        # --generation-config: the model's sampling values for the fields a request leaves out.
+        self.sampling_defaults = dict(getattr(engine.engine, "sampling_defaults", {}))
         # --enable-log-requests: one line per request (id, prompt length, sampling parameters);
         # the prompt's text only with --max-log-len, cut to that many characters.
         self.log_requests = log_requests
@@ -124,7 +126,8 @@ class OpenAIServing:
         needed = max(request.logprobs, request.prompt_logprobs or 0) if echo_logprobs else None
         if echo_logprobs:
             names = {"prompt_logprobs": ClientName("logprobs", "with echo, logprobs also covers the prompt")}
-        params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream, needed)
+        params = _sampling_params(request, request.max_tokens, request.logprobs, names, request.stream, needed,
+                                  self.sampling_defaults)
         params = _constrained(params, request, names)
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompt]
         for ids in prompt_ids:
@@ -241,7 +244,8 @@ class OpenAIServing:
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(1, self._room(self._kept_length(len(prompt_ids), request.truncate_prompt_tokens)))
-        params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream)
+        params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream,
+                                  defaults=self.sampling_defaults)
         params = _constrained(params, request, names, plan)
         prompt_text = self.tokenizer.decode(prompt_ids) if self.reasoning is not None else ""
         if self.reasoning is not None and params.structured_outputs is not None:
@@ -498,9 +502,9 @@ class OpenAIServing:
 
 
 def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None, names: Names,
-                     stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
+                     stream: bool, prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
     try:
-        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
     except RequestError as exc:
         raise request_error_to_openai(exc, names) from None
     return dataclasses.replace(params, output_kind="delta" if stream else "final_only")

@@ -299,16 +299,19 @@ class SamplingRequest(StrictModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
         """Raises RequestError (naming the SamplingParams field) for a value out of range.
-        `prompt_logprobs`: what the endpoint needs of the prompt (echo), if more than asked."""
+        `prompt_logprobs`: what the endpoint needs of the prompt (echo), if more than asked.
+        `defaults`: values for the fields the request left out (the model's generation config)."""
+        defaults = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
+        sampled = {name: defaults.get(name, getattr(self, name))
+                   for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
         return SamplingParams(
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens, **sampled,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             min_tokens=self.min_tokens, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,

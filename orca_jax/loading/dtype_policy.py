@@ -40,7 +40,7 @@ def resolve_dtype(requested: str, backend: str, checkpoint: str | None) -> str:
     return "float32" if checkpoint == "float32" else "bfloat16"
 
 
-def resolve_model_dtype(requested: str, backend: str, model: str | Path | None) -> str:
+def resolve_model_dtype(requested: str, backend: str, model: str | Path | None, revision: str | None = None) -> str:
     """`resolve_dtype` for `model` (as `load_model` takes it), whose files are found and read
     only when the answer depends on them (not on CPU: parsing a GGUF file's tensor table takes
     seconds)."""
@@ -48,7 +48,7 @@ def resolve_model_dtype(requested: str, backend: str, model: str | Path | None) 
         return resolve_dtype(requested, backend, None)
     from orca_jax.loading.loader import resolve_model_path
 
-    return resolve_dtype(requested, backend, checkpoint_dtype(resolve_model_path(model)))
+    return resolve_dtype(requested, backend, checkpoint_dtype(resolve_model_path(model, revision)))
 
 
 def checkpoint_dtype(path: Path) -> str | None:

@@ -75,38 +75,52 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST} wheel")
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
+def resolve_model_path(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """The local path of `model`: a file or directory as given, the embedded default for None,
+    or a hub id's snapshot (at `revision`: a branch, tag or commit). A revision names a version
+    of a hub repository only, so with a local path it is refused rather than ignored."""
+    if model is None or Path(model).expanduser().exists():
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} applies to a hub id; "
+                             f"{'the embedded default model' if model is None else repr(str(model))} is local")
+        return default_model_path() if model is None else Path(model).expanduser()
     if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
-        return _download_from_hub(str(model))
+        return _download_from_hub(str(model), revision)
     raise FileNotFoundError(f"model path {str(model)!r} does not exist (and is not a hub id like 'org/name')")
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+            repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
         ))
     except Exception as exc:  # offline, gated, missing: one clear message
         raise FileNotFoundError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            f"could not fetch {repo_id!r}{f' at revision {revision!r}' if revision else ''} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
             "when offline, pass a local directory with config.json, *.safetensors and tokenizer files"
         ) from exc
 
 
+def load_tokenizer_from(source: str | os.PathLike) -> Any:
+    """A tokenizer other than the model's (vLLM's --tokenizer): a directory of tokenizer files
+    or a hub id."""
+    path = resolve_model_path(source)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {str(source)!r} must be a directory of tokenizer files or a hub id "
+                         "(a GGUF file's tokenizer comes with it as the model)")
+    return load_tokenizer(path)
+
+
 def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
-               cache_dir: str | os.PathLike | None = None, quantization: str | None = None) -> LoadedModel:
+               cache_dir: str | os.PathLike | None = None, quantization: str | None = None,
+               revision: str | None = None) -> LoadedModel:
     """Load `model` (see `resolve_model_path`). `dtype` is the dtype the weights will run in:
     it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off.
     `quantization` (a format of orca_jax.kernels.quantization): the weights quantized at load time,
     unless the checkpoint already holds them so."""
-    return quantize_loaded(_load_float_or_saved(model, dtype, cache_dir), quantization)
+    return quantize_loaded(_load_float_or_saved(model, dtype, cache_dir, revision), quantization)
 
 
 def quantize_loaded(loaded: LoadedModel, method: str | None) -> LoadedModel:
@@ -132,8 +146,8 @@ def quantize_loaded(loaded: LoadedModel, method: str | None) -> LoadedModel:
     return loaded
 
 
-def _load_float_or_saved(model, dtype: str, cache_dir) -> LoadedModel:
-    path = resolve_model_path(model)
+def _load_float_or_saved(model, dtype: str, cache_dir, revision: str | None = None) -> LoadedModel:
+    path = resolve_model_path(model, revision)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf_cached(path, dtype, cache_dir)
     if path.is_dir():

@@ -49,7 +49,7 @@ def test_max_pages_per_seq_rounds_up():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(dtype="float16"), "dtype"),
+    (dict(dtype="float8"), "dtype"),
     (dict(scheduling="fifo"), "scheduling"),
     (dict(attention_impl="cuda"), "attention_impl"),
     (dict(max_num_seqs=0), "max_num_seqs"),

@@ -76,7 +76,7 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path, text, key):
 
 
 @pytest.mark.parametrize("text, field", [
-    ('[engine]\ndtype = "float16"\n', "dtype"),                   # EngineConfig's own check
+    ('[engine]\ndtype = "float8"\n', "dtype"),                   # EngineConfig's own check
     ('[engine]\nmax_num_seqs = 64\nmax_num_batched_tokens = 32\n', "max_num_batched_tokens"),
     ('[engine]\ngpu_memory_utilization = 1.5\n', "gpu_memory_utilization"),
     ('[engine]\nmax_num_seqs = "32"\n', "max_num_seqs"),           # a quoted number

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_jax.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream, message_fields, reasoning_parser
+from orca_jax.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream, reasoning_parser
 from orca_jax.entrypoints.server import ServerSettings, build_app
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]

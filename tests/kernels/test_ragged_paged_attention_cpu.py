@@ -26,7 +26,7 @@ from orca_jax.kernels import ragged_paged_attention_cpu as cpu
 from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_inputs, assert_matches_oracle,
                                      build_batch_padding_case, make_case, random_mix)
 
-TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3, "float64": 1e-12}
 
 
 def small_blocks(page_size: int) -> dict:
@@ -59,6 +59,13 @@ def test_bfloat16_matches_oracle(mix, window, cap, blocks):
     case = make_case(7, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=jnp.bfloat16)
     run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=TOLERANCES["bfloat16"],
                     **(small_blocks(16) if blocks == "one_page" else {}))
+
+
+@pytest.mark.parametrize("mix,window,cap", [("mixed", None, None), ("chunked", 50, 20.0)])
+def test_float16_matches_oracle(mix, window, cap):
+    """dtype="float16" (T4 / V100 class GPUs, and --dtype half): a float16 cache read as it is."""
+    case = make_case(8, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float16)
+    run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=TOLERANCES["float16"])
 
 
 @pytest.mark.parametrize("window,cap", [(None, None), (33, 4.0)])

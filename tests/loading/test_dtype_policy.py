@@ -100,3 +100,22 @@ def test_engine_resolves_auto_before_loading(tiny_engine_factory):
     assert engine.config.dtype == CPU_AUTO_DTYPE  # the tests run on the CPU backend
     assert engine.runner.dtype == np.dtype(CPU_AUTO_DTYPE)
     assert engine.runner.kv_dtype == np.dtype("float32")
+
+
+def test_half_is_float16_end_to_end_with_float32s_tokens(tiny_engine_factory, run_engine):
+    """vLLM's --dtype half: weights and activations in float16 (the KV cache stays float32 on CPU,
+    as for bfloat16); greedy tokens as float32 gives and log-probabilities within 1e-2."""
+    from orca_jax import SamplingParams
+    from orca_jax.config import EngineConfig
+
+    assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(kv_cache_dtype="half").kv_cache_dtype == "float16"
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    outs = {}
+    for dtype in ("float32", "half"):
+        engine = tiny_engine_factory(dtype=dtype)
+        assert engine.config.dtype == ("float16" if dtype == "half" else dtype)
+        outs[dtype] = run_engine(engine, [("r", "The quick brown fox", params)])["r"].outputs[0]
+    assert outs["half"].token_ids == outs["float32"].token_ids
+    for half, full in zip(outs["half"].logprobs, outs["float32"].logprobs):
+        token = next(iter(full))
+        assert abs(half[token] - full[token]) < 1e-2
