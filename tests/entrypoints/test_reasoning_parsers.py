@@ -190,3 +190,26 @@ def test_an_eos_before_the_reasoning_ends_fails_the_constraint(live):
     assert response.status_code == 400 and response.json()["error"]["code"] == "constraint_failed"
     _, events = streamed(live, **body)
     assert events[-1]["error"]["code"] == "constraint_failed"
+
+
+def test_tool_calls_are_read_from_the_answer_only():
+    """A call written inside the reasoning is thinking, not a call; one in the answer is a call."""
+    from orca_jax.engine.outputs import CompletionOutput
+    from orca_jax.entrypoints.chat_tools import plan_tools
+    from orca_jax.entrypoints.openai_serving import OpenAIServing
+    from orca_jax.entrypoints.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=CHAT, tool_choice="auto", tools=[
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
+    plan = plan_tools(request, "hermes")
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.reasoning = QWEN3
+    call = '<tool_call>{"name": "lookup", "arguments": {"q": "Paris"}}</tool_call>'
+    thought = serving._chat_message(request, plan, CompletionOutput(0, f"<think>maybe {call}</think>Yes.", [], "stop"),
+                                    "assistant: ")
+    assert "tool_calls" not in thought["message"] and thought["message"]["content"] == "Yes."
+    assert call in thought["message"]["reasoning"] and thought["finish_reason"] == "stop"
+    called = serving._chat_message(request, plan, CompletionOutput(0, f"<think>look it up</think>{call}", [], "stop"),
+                                   "assistant: ")
+    assert called["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+    assert called["finish_reason"] == "tool_calls" and called["message"]["reasoning"] == "look it up"
