@@ -179,6 +179,7 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
     from orca_jax.worker.batch import token_bucket
     from orca_jax.worker.batch_state import REPETITION, TOP_P, page_write_capacity
     from orca_jax.structured.guided_decoding import all_allowed_bitmask
+    from orca_jax.core.sampling_params import MAX_LOGIT_BIAS
     from orca_jax.core.kv_cache import PADDING_PAGE
 
     T = token_bucket(config, num_tokens)
@@ -197,7 +198,9 @@ def _row_arrays(config, num_tokens: int, num_rows: int) -> dict:
                 num_seqs=np.array([num_rows], np.int32),
                 token_bitmask=np.array(all_allowed_bitmask(S, config.vocab_size)),  # no constrained row
                 row_drafts=np.zeros(S, np.int32),  # no speculation
-                prompt_targets=np.full(T, -1, np.int32))  # no prompt log-probabilities
+                prompt_targets=np.full(T, -1, np.int32),  # no prompt log-probabilities
+                bias_ids=np.zeros((S, MAX_LOGIT_BIAS), np.int32),  # no logit_bias row
+                bias_values=np.zeros((S, MAX_LOGIT_BIAS), np.float32))
 
 
 def decode_inputs(config, vocab_size: int, batch: int, context: int, seed: int = 0):

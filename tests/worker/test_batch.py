@@ -197,7 +197,8 @@ def test_batch_is_a_pytree_of_arrays():
     config = make_config()
     batch = build_batch(config, [(make_seq(0, [1, 2, 3], pages=[1]), 3)])
     leaves = jax.tree.leaves(batch)
-    assert len(leaves) == 8 + 12  # metadata and the rest, sampling inputs (with the guided rows and bitmask)
+    # metadata and the rest, sampling inputs (with the guided rows and bitmask, the biased rows and biases)
+    assert len(leaves) == 8 + 15
     assert all(isinstance(x, np.ndarray) for x in leaves)
     rebuilt = jax.tree.unflatten(jax.tree.structure(batch), leaves)
     assert isinstance(rebuilt, Batch)
