@@ -3,6 +3,7 @@ transformers, and engines on them."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -380,6 +381,20 @@ def run_to_completion(engine, requests, abort_at: dict[str, int] | None = None, 
 def run_engine():
     """`run_to_completion(engine, requests, abort_at=None) -> {request id: final output}`."""
     return run_to_completion
+
+
+def generated_token_ids(engine, requests: dict) -> dict[str, list[int]]:
+    """{request id: (prompt, params)} run to completion -> {request id: its first output's token
+    ids}; asserts that no KV page is left in use."""
+    final = run_to_completion(engine, [(rid, prompt, params) for rid, (prompt, params) in requests.items()])
+    assert engine.allocator.num_used == 0
+    return {rid: list(out.outputs[0].token_ids) for rid, out in final.items()}
+
+
+@pytest.fixture
+def generate(engine):
+    """`generated_token_ids` on the module's `engine` fixture."""
+    return functools.partial(generated_token_ids, engine)
 
 
 @pytest.fixture(scope="session")

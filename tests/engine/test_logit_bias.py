@@ -18,15 +18,6 @@ def engine(tiny_engine_factory):
     return tiny_engine_factory()
 
 
-@pytest.fixture
-def generate(engine, run_engine):
-    def go(requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
-        final = run_engine(engine, [(rid, prompt, params) for rid, (prompt, params) in requests.items()])
-        assert engine.allocator.num_used == 0
-        return {rid: list(out.outputs[0].token_ids) for rid, out in final.items()}
-    return go
-
-
 def test_a_large_bias_forces_its_token_a_ban_removes_one_and_free_rows_are_untouched(engine, generate):
     free = generate({"free": ("Once upon a time", SamplingParams(**GREEDY))})["free"]
     banned_first = generate({"b": ("The quick brown fox", SamplingParams(**GREEDY))})["b"]

@@ -97,16 +97,6 @@ def engine(tiny_engine_factory):
     return tiny_engine_factory()
 
 
-@pytest.fixture
-def generate(engine, run_engine):
-    """{request id: (prompt, params)} -> {request id: its output's token ids}, no page left in use."""
-    def go(requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
-        final = run_engine(engine, [(request_id, prompt, params) for request_id, (prompt, params) in requests.items()])
-        assert engine.allocator.num_used == 0
-        return {request_id: list(out.outputs[0].token_ids) for request_id, out in final.items()}
-    return go
-
-
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
