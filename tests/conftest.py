@@ -137,7 +137,7 @@ def make_tiny_hf_model(directory: Path, config_class_name: str, seed: int = 0, r
                     p.uniform_(-0.5, 0.5)
                 else:
                     p.uniform_(0.5, 1.5)
-            elif random_biases and name.endswith(".bias"):
+            elif random_biases and name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: gate_up_proj_bias, sinks
                 p.normal_(0.0, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
@@ -503,3 +503,72 @@ def check_tree_matches_model_init(loaded) -> None:
 def assert_tree_matches_model_init():
     """`assert_tree_matches_model_init(loaded_model)` (test modules cannot import each other)."""
     return check_tree_matches_model_init
+
+
+# ---- MXFP4 checkpoints (gpt-oss's experts) ---------------------------------------------------
+def float64_mxfp4_dequantize(blocks, scales):
+    """The MXFP4 spec read value by value, in float64: each 4-bit code (sign, two exponent bits,
+    one mantissa bit; low nibble first) -> its e2m1 value, times 2 ** (s - 127) of its block of 32.
+    blocks u8[..., K/2], scales u8[..., K/32] -> [..., K]."""
+    import numpy as np
+
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)
+    sign = np.where(codes & 8, -1.0, 1.0)
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    magnitude = np.where(exponent == 0, 0.5 * mantissa, (1 + 0.5 * mantissa) * np.exp2(exponent - 1.0))
+    values = (sign * magnitude).reshape(*scales.shape, 32)
+    return (values * np.exp2(scales.astype(np.float64) - 127)[..., None]).reshape(*blocks.shape[:-1], -1)
+
+
+@pytest.fixture(name="float64_mxfp4_dequantize", scope="session")
+def float64_mxfp4_dequantize_fixture():
+    """`float64_mxfp4_dequantize(blocks, scales)` for tests (modules cannot import each other)."""
+    return float64_mxfp4_dequantize
+
+
+@pytest.fixture(scope="session")
+def make_mxfp4_checkpoint(tmp_path_factory):
+    """make(float gpt-oss directory) -> (an MXFP4 checkpoint of it, laid out as the released
+    ones: `*_blocks` [E, out, in/32, 16], `*_scales` [E, out, in/32], a quantization_config;
+    a float checkpoint of exactly its dequantized weights). Cached per directory."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def make(float_dir: Path) -> tuple[Path, Path]:
+        if str(float_dir) not in cache:
+            cache[str(float_dir)] = _write_mxfp4_checkpoints(float_dir, tmp_path_factory)
+        return cache[str(float_dir)]
+
+    return make
+
+
+def _write_mxfp4_checkpoints(float_dir: Path, tmp_path_factory) -> tuple[Path, Path]:
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from orca_jax.kernels import packed4
+
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    packed, dequantized = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = packed4.pack_mxfp4(np.swapaxes(tensors[name], -1, -2))  # rows: output channels
+        del packed[name]
+        packed[f"{name}_blocks"] = blocks.reshape(*scales.shape, 16)
+        packed[f"{name}_scales"] = scales
+        dequantized[name] = np.ascontiguousarray(
+            np.swapaxes(float64_mxfp4_dequantize(blocks, scales), -1, -2).astype(np.float32))
+    dirs = []
+    for kind, tree in (("mxfp4", packed), ("dequantized", dequantized)):
+        directory = tmp_path_factory.mktemp(f"{float_dir.name}-{kind}")
+        for file in float_dir.iterdir():
+            if file.name != "model.safetensors":
+                shutil.copy(file, directory / file.name)
+        save_file(tree, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        if kind == "mxfp4":
+            config = json.loads((directory / "config.json").read_text())
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+            (directory / "config.json").write_text(json.dumps(config))
+        dirs.append(directory)
+    return tuple(dirs)

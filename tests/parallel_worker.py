@@ -114,9 +114,12 @@ def tp_run(model_dir: str, sizes: list[str], quantization: str | None = None) ->
             attn = runner.params["params"]["layers"]["attn"]
             if "moe" in runner.params["params"]["layers"]:
                 moe = runner.params["params"]["layers"]["moe"]
-                result["moe_specs"] = {name: str(moe[name].sharding.spec) for name in ("router", "gate_proj", "down_proj")}
+                # Float experts, or packed ones (gpt-oss's MXFP4: codes and scales beside them).
+                names = [n for n in ("router", "gate_proj", "down_proj", "gate_proj_blocks", "down_proj_blocks",
+                                     "down_proj_scales", "down_bias") if n in moe]
+                result["moe_specs"] = {name: str(moe[name].sharding.spec) for name in names}
                 result["moe_shard_shapes"] = {name: list(moe[name].addressable_shards[0].data.shape)
-                                              for name in ("gate_proj", "down_proj")}
+                                              for name in names if name not in ("router", "down_bias")}
             result["param_specs"] = {
                 "q_proj": str(attn["q_proj"]["kernel"].sharding.spec),
                 "k_proj": str(attn["k_proj"]["kernel"].sharding.spec),

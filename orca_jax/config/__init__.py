@@ -35,7 +35,11 @@ _KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
 # A layer's attention, by HF's `layer_types` names.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Weight formats (orca_jax/kernels/quantization.py), by vLLM's `quantization` names.
-QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
+# "mxfp4" keeps (or packs) a mixture of experts' expert weights 4-bit, the rest float;
+# "none" asks for float weights throughout (an MXFP4 checkpoint's experts unpacked at load).
+QUANTIZATION_METHODS = ("int8", "fp8", "gguf", "mxfp4", "none")
+# Formats of the routed experts' weights (ModelConfig.expert_format).
+EXPERT_FORMATS = ("mxfp4",)
 # Most cached pages one step takes up (see EngineConfig.cached_pages_per_step): 4 KB of page
 # writes per step, 8,192 tokens at the default page size.
 MAX_CACHED_PAGES_PER_STEP = 512
@@ -108,6 +112,17 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_scoring: str = "softmax"
+    # gpt-oss: biases on the router and on every expert's projections; and its clamped SwiGLU
+    # (`swiglu_limit` set): gate g clamped to <= limit, up u to [-limit, limit], then
+    # (u + 1) * g * sigmoid(alpha * g) (`swiglu_alpha`). None: act(g) * u, as the other families.
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # How the routed experts' weights are stored: None (floats in the model dtype) or "mxfp4"
+    # (4-bit codes two per byte with an e8m0 scale per 32, orca_jax/kernels/packed4.py), kept so
+    # on the device. Read from the checkpoint (its `quantization_config`), or set by the engine
+    # (EngineConfig.quantization "mxfp4" packs float experts, "none" unpacks MXFP4 at load).
+    expert_format: str | None = None
     # Set by the engine (EngineConfig.enable_expert_parallel), like `quantization`: the experts
     # are sharded whole over the mesh (expert parallelism) instead of each expert's
     # intermediate axis (tensor parallelism). It changes where the weights live, not their shapes.
@@ -129,6 +144,11 @@ class ModelConfig:
                 raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(LAYER_TYPES)}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.expert_format not in (None, *EXPERT_FORMATS):
+            raise ValueError(f"expert_format must be None or one of {EXPERT_FORMATS}, got {self.expert_format!r}")
+        if self.expert_format is not None and not self.num_experts:
+            raise ValueError(f"expert_format {self.expert_format!r} is the format of a mixture of experts' expert "
+                             f"weights; this model has no experts")
         if self.router_scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
 
@@ -200,8 +220,10 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "half", "int8", "fp8_e4m3", "fp8"] = "auto"
     # Weights quantized at load time (orca_jax/kernels/quantization.py): "int8" (per output channel,
     # W8A16), "fp8" (e4m3 where the device has fp8 units, else int8, said in the log), "gguf"
-    # (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks kept). None: floats in `dtype`, or what an
-    # already-quantized checkpoint holds.
+    # (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks kept), "mxfp4" (a mixture of experts' experts
+    # 4-bit, orca_jax/kernels/packed4.py: kept from an MXFP4 checkpoint, or packed at load),
+    # "none" (floats throughout: an MXFP4 checkpoint's experts unpacked at load). None: floats
+    # in `dtype`, or what an already-quantized checkpoint holds.
     quantization: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax.kernels import quantization
-from orca_jax.kernels import grouped_mlp
+from orca_jax.kernels import grouped_mlp, packed4
 from orca_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,13 @@ def expert_layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel
         raise ValueError(f"tensor parallelism over {tp} devices splits each expert's intermediate axis "
                          f"({model.moe_intermediate_size}), which does not divide by it; enable_expert_parallel "
                          f"places whole experts instead")
+    if not expert_parallel and model.expert_format is not None and tp > 1:
+        block = packed4.packed_format(model.expert_format).block_size
+        if (model.moe_intermediate_size // block) % tp:
+            raise ValueError(f"tensor parallelism over {tp} devices splits each {model.expert_format} expert's "
+                             f"down projection along its packed axis: {model.moe_intermediate_size // block} blocks "
+                             f"of {block}, which do not divide by {tp}; enable_expert_parallel places whole experts "
+                             f"instead")
     if tp == 1:
         layout = "one device"
     elif expert_parallel:
@@ -369,17 +376,18 @@ def mesh_spec(logical_axes: tuple[str, ...]) -> P:
 
 
 # ---- experts per shard -----------------------------------------------------------------------
-def per_shard_experts(mesh: Mesh, up_spec: P, down_spec: P, expert_parallel: bool, routed: Callable) -> Callable:
+def per_shard_experts(mesh: Mesh, expert_specs: Any, expert_parallel: bool, routed: Callable) -> Callable:
     """Run a mixture-of-experts layer's routed experts on each device's share of them and sum
-    the shares: `routed(x, weights, experts, num_tokens, gate, up, down, first_expert=) -> [T, D]`
-    sees the whole activations and routing (replicated) and this device's expert weights (gate
-    and up as `up_spec`, down as `down_spec`): all experts with a slice of each intermediate
-    axis (tensor parallelism), or whole experts numbered from `first_expert` (expert
-    parallelism). One all-reduce of [T, D] combines them (see orca_jax/models/moe.py for why
-    not an all-to-all)."""
-    def local(x, weights, experts, num_tokens, gate, up, down):
-        first = jax.lax.axis_index(MODEL_AXIS) * gate.shape[0] if expert_parallel else 0
-        return jax.lax.psum(routed(x, weights, experts, num_tokens, gate, up, down, first_expert=first), MODEL_AXIS)
+    the shares: `routed(x, weights, experts, num_tokens, expert_weights, first_expert=) -> [T, D]`
+    sees the whole activations and routing (replicated) and this device's expert weights (a
+    pytree, each leaf placed as its PartitionSpec in `expert_specs`, the same structure): all
+    experts with a slice of each intermediate axis (tensor parallelism), or whole experts
+    numbered from `first_expert` (expert parallelism). One all-reduce of [T, D] combines them
+    (see orca_jax/models/moe.py for why not an all-to-all)."""
+    def local(x, weights, experts, num_tokens, expert_weights):
+        num_local = jax.tree.leaves(expert_weights)[0].shape[0]
+        first = jax.lax.axis_index(MODEL_AXIS) * num_local if expert_parallel else 0
+        return jax.lax.psum(routed(x, weights, experts, num_tokens, expert_weights, first_expert=first), MODEL_AXIS)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), up_spec, up_spec, down_spec),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), expert_specs),
                          out_specs=P(), check_vma=False)

@@ -247,6 +247,9 @@ class OpenAIServing:
         params = _sampling_params(request, max_tokens, request.engine_logprobs, names, request.stream,
                                   defaults=self.sampling_defaults)
         params = _constrained(params, request, names, plan)
+        if self.reasoning is not None and self.reasoning.needs_special_tokens:
+            # Harmony's channel markers are special tokens; the parser removes every one of them.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         prompt_text = self.tokenizer.decode(prompt_ids) if self.reasoning is not None else ""
         if self.reasoning is not None and params.structured_outputs is not None:
             # The answer is constrained, not the reasoning before it.

@@ -407,6 +407,10 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message answers this call
+    # An earlier reply's reasoning sent back (vLLM reads both names): templates that replay it
+    # (gpt-oss's analysis messages) get it as `reasoning_content`, `reasoning` and `thinking`.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
@@ -415,6 +419,9 @@ class ChatMessage(StrictModel):
             raise RequestError(f"a {self.role!r} message needs content", "content", "missing_required_parameter")
         if self.tool_calls and self.role != "assistant":
             raise RequestError("only an assistant message can carry tool_calls", "tool_calls")
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise RequestError(f"only an assistant message can carry {name}", name)
         if self.role == "tool" and not self.tool_call_id:  # OpenAI's rule: it answers a call
             raise RequestError("a 'tool' message needs the tool_call_id of the call it answers", "tool_call_id",
                                "missing_required_parameter")
@@ -440,6 +447,9 @@ class ChatMessage(StrictModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message.update(reasoning_content=reasoning, reasoning=reasoning, thinking=reasoning)
         return message
 
 

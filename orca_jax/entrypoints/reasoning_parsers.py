@@ -14,6 +14,9 @@ Where the reasoning starts:
                  prompt ends inside an open one (the 2507 thinking models' template); otherwise
                  (enable_thinking false closes an empty block in the prompt) it is all content
 
+    openai_gptoss  gpt-oss's harmony channels (orca_jax/entrypoints/harmony.py): the analysis
+                 channel is the reasoning, the final channel the answer
+
 A structured output then constrains the answer, not the reasoning: `constraint_waits_for`
 gives the text the grammar waits for (orca_jax.structured.guided_decoding.GuidedState's
 `starts_after`), unless the prompt already closed the reasoning.
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orca_jax.entrypoints.harmony import HarmonyReasoningParser
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -31,6 +36,8 @@ class ReasoningParser:
     end: str = "</think>"
     # Whether an output whose prompt has no open block starts inside the reasoning anyway.
     always_starts_in_reasoning: bool = False
+    # Whether the split reads special tokens (harmony's markers): then they stay in the text.
+    needs_special_tokens: bool = False
 
     def starts_in_reasoning(self, prompt_text: str) -> bool | None:
         """True: the output begins inside the reasoning; False: it cannot hold any (the prompt
@@ -81,10 +88,12 @@ def _partial_tag_length(text: str, tag: str) -> int:
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", always_starts_in_reasoning=True),
     "qwen3": ReasoningParser("qwen3"),
+    # gpt-oss: harmony's analysis channel (orca_jax/entrypoints/harmony.py).
+    "openai_gptoss": HarmonyReasoningParser(),
 }
 
 
-def reasoning_parser(name: str | None) -> ReasoningParser | None:
+def reasoning_parser(name: str | None) -> ReasoningParser | HarmonyReasoningParser | None:
     if name is None:
         return None
     if name not in REASONING_PARSERS:

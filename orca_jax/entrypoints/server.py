@@ -84,7 +84,11 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, listing the known ones
+            parser = get_tool_parser(self.tool_call_parser)  # an unknown name fails at start, listing the known ones
+            needed = getattr(parser, "requires_reasoning_parser", None)
+            if needed is not None and self.reasoning_parser != needed:
+                raise ValueError(f"--tool-call-parser {self.tool_call_parser} reads the output that "
+                                 f"--reasoning-parser {needed} splits; pass both")
         reasoning_parser(self.reasoning_parser)  # the same for the reasoning parser
 
     @property

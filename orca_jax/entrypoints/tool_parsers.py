@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from orca_jax.entrypoints import harmony
+
 ARGUMENT_KEYS = ("arguments", "parameters")
 _WHITESPACE = " \t\r\n"
 # A complete JSON string (unrolled so that a failed match on a long open string stays linear).
@@ -320,8 +322,25 @@ class NamedToolParser:
         return ParsedOutput("", [ParsedCall(self.function_name, arguments, complete)])
 
 
+class OpenAIToolParser:
+    """gpt-oss (harmony, orca_jax/entrypoints/harmony.py): each commentary message addressed to
+    `functions.NAME` is a call, its body the arguments. It reads the content the harmony
+    reasoning parser leaves, so it needs `--reasoning-parser openai_gptoss` beside it."""
+
+    name = "openai"
+    requires_reasoning_parser = "openai_gptoss"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        content, found = harmony.function_calls(text, final)
+        calls = [ParsedCall(name, arguments, closed and _loads_or_none(arguments) is not None)
+                 for name, arguments, closed in found]
+        if final and not all(call.complete for call in calls):
+            return ParsedOutput(text, [])  # bad tool output degrades to plain text, as Hermes'
+        return ParsedOutput(content.strip() if final else content.lstrip(), calls)
+
+
 TOOL_PARSERS: dict[str, type] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, OpenAIToolParser)
 }
 
 

@@ -18,6 +18,14 @@ makes `ragged_dot` the oracle of the tests, not a serving path.
 
 Both take rows past `sum(group_sizes)` as belonging to no group (another device's experts,
 padding tokens) and return zeros for them.
+
+Expert weights come as float stacks or packed 4-bit (`packed4.PackedWeight`, gpt-oss's MXFP4
+experts, a quarter of bfloat16's bytes). The blocked loop unpacks only the expert of the block
+at hand, so no float copy of the layer's experts ever exists; `ragged_dot` takes float weights
+only, so that path unpacks the layer's experts into one transient stack per step (the bytes
+stay 4-bit at rest; a fused grouped matmul over packed weights is the GPU/TPU kernel still to
+write). gpt-oss adds per-expert biases on the gate and up projections and its own gated
+activation (`glu`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from orca_jax.kernels.packed4 import PackedWeight
 
 IMPLS = ("ragged_dot", "blocked")
 _IMPL_FOR_BACKEND = {"cpu": "blocked", "gpu": "ragged_dot", "cuda": "ragged_dot", "tpu": "ragged_dot"}
@@ -41,34 +51,72 @@ def resolve_impl(impl: str, backend: str) -> str:
     return impl
 
 
-def grouped_mlp(rows, group_sizes, gate, up, down, act: Callable, impl: str):
+def grouped_mlp(rows, group_sizes, gate, up, down, act: Callable, impl: str, *, gate_bias=None, up_bias=None,
+                glu: Callable | None = None):
     """rows [M, D] sorted by group; group_sizes i32[G] (their sum may be below M); gate, up
-    [G, D, F]; down [G, F, D]. Returns [M, D], zero past the groups' rows."""
+    [G, D, F] and down [G, F, D], each a float stack or a `PackedWeight` of the same matrices;
+    gate_bias, up_bias [G, F] or None. Each group's rows go through
+    `down(glu(rows @ gate + gate_bias, rows @ up + up_bias))`, `glu(g, u)` being `act(g) * u`
+    unless given. Returns [M, D], zero past the groups' rows."""
+    glu = glu or (lambda g, u: act(g) * u)
     if impl == "ragged_dot":
-        return _ragged_dot_mlp(rows, group_sizes, gate, up, down, act)
+        return _ragged_dot_mlp(rows, group_sizes, gate, up, down, glu, gate_bias, up_bias)
     if impl == "blocked":
-        return _blocked_mlp(rows, group_sizes, gate, up, down, act)
+        return _blocked_mlp(rows, group_sizes, gate, up, down, glu, gate_bias, up_bias)
     raise ValueError(f"unknown grouped MLP implementation {impl!r}; available: {', '.join(IMPLS)}")
 
 
 def grouped_matmul(lhs, rhs, group_sizes, impl: str):
-    """One grouped matmul: lhs [M, K] sorted by group, rhs [G, K, N] -> [M, N] (zero past the
-    groups' rows). The MLP above is three of these; this one is what the benchmark times."""
+    """One grouped matmul: lhs [M, K] sorted by group, rhs [G, K, N] (or a `PackedWeight`) ->
+    [M, N] (zero past the groups' rows). The MLP above is three of these; this one is what the
+    benchmark times."""
     if impl == "ragged_dot":
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        out = jax.lax.ragged_dot(lhs, _stacked(rhs, lhs.dtype), group_sizes)
         return jnp.where(_in_groups(lhs.shape[0], group_sizes)[:, None], out, 0)
-    rhs = jnp.asarray(rhs)
-    block_rows = block_rows_for(lhs.shape[0], rhs.shape[0])
-    return _block_loop(lhs, group_sizes, block_rows, rhs.shape[2], lambda block, g: block @ rhs[g])
+    block_rows = block_rows_for(lhs.shape[0], _num_groups(rhs))
+    return _block_loop(lhs, group_sizes, block_rows, _out_dim(rhs),
+                       lambda block, g: block @ _matrix(rhs, g, block.dtype))
+
+
+def _num_groups(weight) -> int:
+    return weight.num_groups if isinstance(weight, PackedWeight) else weight.shape[0]
+
+
+def _out_dim(weight) -> int:
+    return weight.blocks.shape[1] if isinstance(weight, PackedWeight) else weight.shape[2]
+
+
+def _matrix(weight, group, dtype):
+    """Group `group`'s [K, N] matrix (unpacked if packed)."""
+    if isinstance(weight, PackedWeight):
+        return weight.matrix(group, dtype)
+    return jnp.asarray(weight)[group]
+
+
+def _stacked(weight, dtype):
+    return weight.stacked(dtype) if isinstance(weight, PackedWeight) else weight
 
 
 def _in_groups(num_rows: int, group_sizes):
     return jnp.arange(num_rows) < jnp.sum(group_sizes)
 
 
-def _ragged_dot_mlp(rows, group_sizes, gate, up, down, act):
-    h = act(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-    out = jax.lax.ragged_dot(h, down, group_sizes)
+def _row_bias(bias, group_sizes, num_rows: int):
+    """Each sorted row's group's bias row: bias [G, F] -> [M, F] (rows past the groups get the
+    last group's, masked out afterwards)."""
+    group_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows), side="right")
+    return bias[jnp.minimum(group_of_row, bias.shape[0] - 1)]
+
+
+def _ragged_dot_mlp(rows, group_sizes, gate, up, down, glu, gate_bias, up_bias):
+    dtype = rows.dtype
+    g = jax.lax.ragged_dot(rows, _stacked(gate, dtype), group_sizes)
+    u = jax.lax.ragged_dot(rows, _stacked(up, dtype), group_sizes)
+    if gate_bias is not None:
+        g = g + _row_bias(gate_bias, group_sizes, rows.shape[0]).astype(g.dtype)
+    if up_bias is not None:
+        u = u + _row_bias(up_bias, group_sizes, rows.shape[0]).astype(u.dtype)
+    out = jax.lax.ragged_dot(glu(g, u).astype(dtype), _stacked(down, dtype), group_sizes)
     # Rows past the groups are left to the lowering (zero in jax's, unspecified in others).
     return jnp.where(_in_groups(rows.shape[0], group_sizes)[:, None], out, 0)
 
@@ -85,13 +133,19 @@ def block_rows_for(num_rows: int, num_groups: int) -> int:
     return min(max(size, 8), 256)
 
 
-def _blocked_mlp(rows, group_sizes, gate, up, down, act):
-    block_rows = block_rows_for(rows.shape[0], gate.shape[0])
+def _blocked_mlp(rows, group_sizes, gate, up, down, glu, gate_bias, up_bias):
+    block_rows = block_rows_for(rows.shape[0], _num_groups(gate))
 
     def expert_mlp(block, g):
-        return (act(block @ gate[g]) * (block @ up[g])) @ down[g]
+        dtype = block.dtype
+        gate_out, up_out = block @ _matrix(gate, g, dtype), block @ _matrix(up, g, dtype)
+        if gate_bias is not None:
+            gate_out = gate_out + gate_bias[g].astype(dtype)
+        if up_bias is not None:
+            up_out = up_out + up_bias[g].astype(dtype)
+        return glu(gate_out, up_out).astype(dtype) @ _matrix(down, g, dtype)
 
-    return _block_loop(rows, group_sizes, block_rows, down.shape[2], expert_mlp)
+    return _block_loop(rows, group_sizes, block_rows, _out_dim(down), expert_mlp)
 
 
 def _block_loop(rows, group_sizes, block_rows: int, out_dim: int, block_fn: Callable):

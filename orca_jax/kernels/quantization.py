@@ -38,6 +38,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "fp8", "gguf")
+# EngineConfig.quantization values that are not a format of the dense weights: the experts kept
+# (or packed) in MXFP4, or every weight float (orca_jax/kernels/packed4.py, the loader).
+EXPERT_METHODS = ("mxfp4", "none")
 GGUF_BLOCK = 32  # GGUF's block size along a row, the same for Q8_0, Q4_0 and Q4_1
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -71,7 +74,10 @@ def has_offset(method: str | None) -> bool:
 def resolve_method(method: str | None, device) -> str | None:
     """`method` where this device can run it. fp8 weights need fp8 matrix units (NVIDIA compute
     capability 8.9+, TPU v7); elsewhere the int8 format takes its place (same bytes), said in
-    the log."""
+    the log. "mxfp4" and "none" (the experts' packed format, or floats throughout) are the
+    loader's to apply (orca_jax/loading/loader.py) and run anywhere."""
+    if method in EXPERT_METHODS:
+        return method
     check_method(method)
     if method != "fp8" or has_fp8_matmul(device):
         return method

@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.loading import checkpoint, model_cache
 from orca_jax.config import ModelConfig
-from orca_jax.models import architecture, config_from_hf, quantize_params
+from orca_jax.kernels.quantization import EXPERT_METHODS
+from orca_jax.models import architecture, config_from_hf, convert_expert_format, quantize_params
 from orca_jax.loading import gguf_arch
 from orca_jax.models.moe_families import HF_MOE_PREFIX  # where each MoE family keeps its experts
 from orca_jax.loading.tokenizer import load_tokenizer  # a tokenizer.json without transformers, where it can
@@ -120,7 +122,36 @@ def load_model(model: str | os.PathLike | None, *, dtype: str = "float32",
     it selects the model cache entry of a GGUF file; `cache_dir` None turns that cache off.
     `quantization` (a format of orca_jax.kernels.quantization): the weights quantized at load time,
     unless the checkpoint already holds them so."""
-    return quantize_loaded(_load_float_or_saved(model, dtype, cache_dir, revision), quantization)
+    loaded = _load_float_or_saved(model, dtype, cache_dir, revision)
+    if quantization in EXPERT_METHODS:
+        return set_expert_format(loaded, "mxfp4" if quantization == "mxfp4" else None, dtype)
+    return quantize_loaded(loaded, quantization)
+
+
+def set_expert_format(loaded: LoadedModel, target: str | None, dtype: str = "float32") -> LoadedModel:
+    """`loaded` with its routed experts in `target`: "mxfp4" (kept from an MXFP4 checkpoint,
+    else packed on the host) or None (floats in `dtype`: an MXFP4 checkpoint's experts unpacked,
+    the fallback where the packed path is not wanted)."""
+    config = loaded.config
+    if target is not None and not config.is_moe:
+        raise ValueError(f"quantization={target!r} stores a mixture of experts' expert weights 4-bit; "
+                         f"{loaded.source} ({config.model_type}) has no experts (use quantization='int8')")
+    if target is None and config.quantization is not None:
+        raise ValueError(f"quantization='none': {loaded.source} holds {config.quantization}-quantized weights, "
+                         f"which cannot be made float again (load the float checkpoint)")
+    if config.expert_format == target:
+        if target is not None:
+            logger.info("experts: %s, as the checkpoint holds them", target)
+        return loaded
+    start = time.perf_counter()
+    float_dtype = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    params = loaded.params if isinstance(loaded.params, dict) else loaded.params.restore_host(float_dtype)
+    loaded.params = convert_expert_format(params, config, target, float_dtype)
+    loaded.config = dataclasses.replace(config, expert_format=target)
+    loaded.timings["expert_format_s"] = time.perf_counter() - start
+    logger.info("experts: %s -> %s in %.2f s", config.expert_format or "float", target or "float",
+                loaded.timings["expert_format_s"])
+    return loaded
 
 
 def quantize_loaded(loaded: LoadedModel, method: str | None) -> LoadedModel:

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.distributed import parallel
-from orca_jax.kernels import quantization
+from orca_jax.kernels import packed4, quantization
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
-from orca_jax.models import gemma, gpt2, llama, moe_families, phi3
+from orca_jax.models import gemma, gpt2, gpt_oss, llama, moe_families, phi3
 from orca_jax.models.layers import ACTIVATIONS, activation, model_rope_tables
 
 
@@ -58,6 +58,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                           hf_class) for name, hf_class in (("mixtral", "MixtralForCausalLM"),
                                                            ("qwen2_moe", "Qwen2MoeForCausalLM"),
                                                            ("qwen3_moe", "Qwen3MoeForCausalLM"))},
+    # gpt-oss: the MoE block with sinks, alternating 128-token windows, biased router and
+    # experts, the clamped SwiGLU, and MXFP4 experts kept packed.
+    "gpt_oss": Architecture(gpt_oss.MODEL_CLASS, gpt_oss.config_from_hf, gpt_oss.hf_to_params,
+                            "GptOssForCausalLM"),
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # By transformers' `hidden_act` names; GPT-2's `gelu_new` and `gelu_pytorch_tanh` are the same
@@ -143,6 +147,45 @@ def quantize_params(params: dict[str, Any], config: ModelConfig) -> dict[str, An
 
     walk(params["params"], declared, logical)
     return params
+
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def convert_expert_format(params: dict[str, Any], config: ModelConfig, target: str | None,
+                          float_dtype=np.float32) -> dict[str, Any]:
+    """The host tree of a mixture of experts' model (`config`, its experts as `config.expert_format`
+    says) with the routed experts in `target` instead: None (floats in `float_dtype`,
+    [L, E, in, out]) or "mxfp4" (`packed4`: [L, E, out, in / 2] codes and [L, E, out, in / 32]
+    scales). Packing rounds each weight to its block's nearest code; unpacking is exact. One
+    layer at a time, so the temporaries stay one layer's. In place; returns `params`."""
+    moe = params["params"]["layers"]["moe"]
+    have = config.expert_format
+    if target == have:
+        return params
+    if target is not None and target not in packed4.FORMATS:
+        raise ValueError(f"unknown expert format {target!r}")
+    for name in _EXPERT_PROJECTIONS:
+        if have is None:
+            moe[f"{name}_blocks"], moe[f"{name}_scales"] = _pack_layers(moe.pop(name))
+        else:
+            moe[name] = _unpack_layers(moe.pop(f"{name}_blocks"), moe.pop(f"{name}_scales"),
+                                       packed4.packed_format(have), float_dtype)
+    return params
+
+
+def _pack_layers(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float [L, E, in, out] -> MXFP4 rows of each transposed matrix, layer by layer."""
+    packed = [packed4.pack_mxfp4(np.swapaxes(np.asarray(layer, np.float32), -1, -2)) for layer in weights]
+    return np.stack([b for b, _ in packed]), np.stack([s for _, s in packed])
+
+
+def _unpack_layers(blocks: np.ndarray, scales: np.ndarray, fmt: packed4.Packed4Format, dtype) -> np.ndarray:
+    L, E, rows, half = blocks.shape
+    out = np.empty((L, E, 2 * half, rows), dtype)
+    for layer in range(L):
+        out[layer] = np.swapaxes(np.asarray(packed4.unpack(blocks[layer], scales[layer], fmt, jnp.float32)), -1, -2)
+    return out
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:

@@ -7,6 +7,12 @@ it as it fits the dense MLP: the tokens of every request in the step are routed 
     y[t]   = sum over t's choices of weight * out        through the inverse permutation
     y     += sigmoid(x @ shared_gate) * shared_mlp(x)    (Qwen2-MoE's shared expert)
 
+gpt-oss adds biases on the router and on every expert projection (`moe_bias`; the down
+projection's bias is weighted and added once, after the devices' shares are summed) and its
+clamped SwiGLU (`swiglu_limit`); its experts may be stored MXFP4 (`expert_format`): packed
+leaves `*_blocks`/`*_scales` [E, out, in/2] and [E, out, in/32] in place of the float stacks,
+unpacked only inside the grouped matmul (orca_jax/kernels/packed4.py).
+
 Nothing of shape [tokens, experts, hidden] is built: the router's scores are [T, E], everything
 after is [T*k, ...]. The grouped matmuls are `orca_jax.kernels.grouped_mlp` (`ragged_dot` on GPU
 and TPU, a blocked loop on CPU). Padding tokens of the bucket (past `cu_q_lens[-1]`) join no
@@ -26,7 +32,7 @@ themselves are spread over the devices (data-parallel attention), which this eng
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -34,7 +40,8 @@ import jax.numpy as jnp
 
 from orca_jax.distributed import parallel
 from orca_jax.config import ModelConfig
-from orca_jax.kernels import grouped_mlp
+from orca_jax.kernels import grouped_mlp, packed4
+from orca_jax.kernels.packed4 import PackedWeight
 from orca_jax.models.layers import GatedMLP, activation
 
 
@@ -72,20 +79,62 @@ def combine(sorted_out, order, weights):
     return jnp.einsum("TKD,TK->TD", per_choice, weights.astype(per_choice.dtype))
 
 
-def routed_experts(x, weights, experts, num_tokens, gate, up, down, *, act, impl: str, first_expert=0):
-    """The routed part of the layer on the experts held here: gate, up [E_local, D, F_local],
-    down [E_local, F_local, D], whose ids start at `first_expert`. Returns this device's [T, D]
-    share (the whole output on one device)."""
-    order, group_sizes = group_by_expert(experts, num_tokens, first_expert, gate.shape[0])
+def routed_experts(x, weights, experts, num_tokens, expert_weights: "ExpertWeights", *, glu, impl: str,
+                   first_expert=0):
+    """The routed part of the layer on the experts held here (`ExpertWeights`: gate, up
+    [E_local, D, F_local], down [E_local, F_local, D], float or packed, with their biases),
+    whose ids start at `first_expert`. Returns this device's [T, D] share (the whole output on
+    one device); the down projection's bias is the caller's (`down_bias_term`)."""
+    gate, up, down, gate_bias, up_bias = expert_weights
+    num_local = gate.num_groups if isinstance(gate, PackedWeight) else gate.shape[0]
+    order, group_sizes = group_by_expert(experts, num_tokens, first_expert, num_local)
     rows = x[order // experts.shape[1]]
-    sorted_out = grouped_mlp.grouped_mlp(rows, group_sizes, gate, up, down, act, impl)
+    sorted_out = grouped_mlp.grouped_mlp(rows, group_sizes, gate, up, down, None, impl, gate_bias=gate_bias,
+                                         up_bias=up_bias, glu=glu)
     return combine(sorted_out, order, weights)
+
+
+class ExpertWeights(NamedTuple):
+    """One layer's routed experts as the grouped matmuls take them (a pytree, so it crosses
+    `shard_map` whole): each projection a float stack or a `PackedWeight`, biases or None."""
+
+    gate: Any
+    up: Any
+    down: Any
+    gate_bias: Any = None
+    up_bias: Any = None
+
+
+def down_bias_term(down_bias, weights, experts):
+    """sum over a token's choices of weight * its expert's down-projection bias: [T, D]. Added
+    once, after the devices' shares are summed (inside, tensor parallelism would add it once per
+    device)."""
+    return jnp.einsum("TK,TKD->TD", weights.astype(down_bias.dtype), down_bias[experts])
+
+
+def clamped_swiglu(limit: float, alpha: float):
+    """gpt-oss's gated activation: glu(g, u) = (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),
+    g' = min(g, limit)."""
+    def glu(gate, up):
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+    return glu
+
+
+def expert_glu(config: ModelConfig):
+    if config.swiglu_limit is not None:
+        return clamped_swiglu(config.swiglu_limit, config.swiglu_alpha)
+    act = activation(config.hidden_act)
+    return lambda gate, up: act(gate) * up
 
 
 def expert_axes(expert_parallel: bool) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
     """Logical axes of the stacked expert weights ([E, D, F] gate/up, [E, F, D] down): experts
     whole per device under expert parallelism, else each expert's intermediate split as a dense
-    MLP's (`parallel.LOGICAL_AXIS_RULES` maps the names)."""
+    MLP's (`parallel.LOGICAL_AXIS_RULES` maps the names). A packed weight stores each matrix
+    transposed (output rows, packed contraction), so its axes are the other projection's."""
     expert, inner = ("sharded_experts", "expert_mlp") if expert_parallel else ("experts", "mlp")
     return (expert, "embed", inner), (expert, inner, "embed")
 
@@ -101,34 +150,96 @@ class SparseMoE(nn.Module):
     @nn.compact
     def __call__(self, x, num_tokens):
         c = self.config
-        E, D, F = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        up_axes, down_axes = expert_axes(c.expert_parallel)
+        E, D = c.num_experts, c.hidden_size
         init = nn.initializers.normal(0.02)
         # Router scores accumulate in float32 (as transformers' softmax is float32): a rounding
         # flip between two close scores changes which experts run.
         router = self.param("router", nn.with_logical_partitioning(init, ("embed", "experts")), (D, E), self.dtype)
-        gate = self.param("gate_proj", nn.with_logical_partitioning(init, up_axes), (E, D, F), self.dtype)
-        up = self.param("up_proj", nn.with_logical_partitioning(init, up_axes), (E, D, F), self.dtype)
-        down = self.param("down_proj", nn.with_logical_partitioning(init, down_axes), (E, F, D), self.dtype)
         logits = jnp.einsum("TD,DE->TE", x, router, preferred_element_type=jnp.float32)
+        if c.moe_bias:
+            logits = logits + self._bias("router_bias", ("experts",), (E,)).astype(jnp.float32)
         weights, experts = route(logits, c.num_experts_per_tok, c.router_scoring, c.norm_topk_prob)
-        out = self._routed(x, weights, experts, num_tokens, gate, up, down)
+        expert_weights = self._expert_weights()
+        out = self._routed(x, weights, experts, num_tokens, expert_weights)
+        if c.moe_bias:
+            # Replicated like the router ([E, D] is small): added once, outside the shards.
+            down_bias = self._bias("down_bias", ("experts", "embed"), (E, D))
+            out = out + down_bias_term(down_bias, weights, experts).astype(out.dtype)
         if c.shared_expert_intermediate_size:
             out = out + self._shared_expert(x)
         return out
 
     @nn.nowrap
-    def _routed(self, x, weights, experts, num_tokens, gate, up, down):
-        c = self.config
-        act = activation(c.hidden_act)
-        impl = grouped_mlp.resolve_impl("auto", jax.default_backend())
-        if self.mesh is None:
-            return routed_experts(x, weights, experts, num_tokens, gate, up, down, act=act, impl=impl)
-        up_axes, down_axes = expert_axes(c.expert_parallel)
-        routed = functools.partial(routed_experts, act=act, impl=impl)
-        return parallel.per_shard_experts(self.mesh, parallel.mesh_spec(up_axes), parallel.mesh_spec(down_axes),
-                                          c.expert_parallel, routed)(x, weights, experts, num_tokens, gate, up, down)
+    def _bias(self, name: str, axes: tuple[str, ...], shape: tuple[int, ...]):
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, self.dtype)
 
+    @nn.nowrap
+    def _expert_weights(self) -> ExpertWeights:
+        c = self.config
+        E, D, F = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        up_axes, down_axes = expert_axes(c.expert_parallel)
+        if c.expert_format is None:
+            init = nn.initializers.normal(0.02)
+            gate, up = (self.param(name, nn.with_logical_partitioning(init, up_axes), (E, D, F), self.dtype)
+                        for name in ("gate_proj", "up_proj"))
+            down = self.param("down_proj", nn.with_logical_partitioning(init, down_axes), (E, F, D), self.dtype)
+        else:  # stored [E, out, in / 2]: the transposed matrix's axes
+            gate, up = (self._packed(name, down_axes, F, D) for name in ("gate_proj", "up_proj"))
+            down = self._packed("down_proj", up_axes, D, F)
+        if not c.moe_bias:
+            return ExpertWeights(gate, up, down)
+        bias_axes = (up_axes[0], up_axes[2])
+        return ExpertWeights(gate, up, down, self._bias("gate_bias", bias_axes, (E, F)),
+                             self._bias("up_bias", bias_axes, (E, F)))
+
+    @nn.nowrap
+    def _packed(self, name: str, axes: tuple[str, str, str], rows: int, contraction: int) -> PackedWeight:
+        """A packed [E, rows, contraction] weight (`packed4`): its codes, two per byte, and a scale
+        byte per block. Random init: random codes at a scale of 2 ** -5 (values up to 0.19)."""
+        c = self.config
+        block = packed4.packed_format(c.expert_format).block_size
+        if contraction % block:
+            raise ValueError(f"{c.expert_format} experts need widths that are multiples of {block}; {name} "
+                             f"contracts over {contraction}")
+        E = c.num_experts
+
+        def random_bytes(key, shape, dtype):
+            return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
+
+        def scale_bytes(key, shape, dtype):
+            return jnp.full(shape, packed4.E8M0_BIAS - 5, dtype)
+
+        blocks = self.param(f"{name}_blocks", nn.with_logical_partitioning(random_bytes, axes),
+                            (E, rows, contraction // 2), jnp.uint8)
+        scales = self.param(f"{name}_scales", nn.with_logical_partitioning(scale_bytes, axes),
+                            (E, rows, contraction // block), jnp.uint8)
+        return PackedWeight(blocks, scales, c.expert_format)
+
+    @nn.nowrap
+    def _routed(self, x, weights, experts, num_tokens, expert_weights: ExpertWeights):
+        c = self.config
+        impl = grouped_mlp.resolve_impl("auto", jax.default_backend())
+        routed = functools.partial(routed_experts, glu=expert_glu(c), impl=impl)
+        if self.mesh is None:
+            return routed(x, weights, experts, num_tokens, expert_weights)
+        specs = jax.tree.map(lambda leaf: parallel.mesh_spec(leaf), self._expert_logical_axes(),
+                             is_leaf=lambda node: isinstance(node, tuple) and all(isinstance(a, str) for a in node))
+        return parallel.per_shard_experts(self.mesh, specs, c.expert_parallel, routed)(
+            x, weights, experts, num_tokens, expert_weights)
+
+    @nn.nowrap
+    def _expert_logical_axes(self) -> ExpertWeights:
+        """The logical axes of each leaf of `_expert_weights`' tree, in the same structure."""
+        c = self.config
+        up_axes, down_axes = expert_axes(c.expert_parallel)
+        if c.expert_format is None:
+            gate, up, down = up_axes, up_axes, down_axes
+        else:
+            gate, up, down = (PackedWeight(axes, axes, c.expert_format) for axes in (down_axes, down_axes, up_axes))
+        if not c.moe_bias:
+            return ExpertWeights(gate, up, down)
+        bias_axes = (up_axes[0], up_axes[2])
+        return ExpertWeights(gate, up, down, bias_axes, bias_axes)
     @nn.nowrap
     def _shared_expert(self, x):
         c = self.config

@@ -112,3 +112,55 @@ def test_layouts_the_sizes_do_not_allow_are_refused():
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model; qwen2 is dense"):
         parallel.expert_layout(dense, 2, True)
     assert parallel.expert_layout(dense, 2, False) is dense
+
+
+# ---- gpt-oss: biased router and experts, clamped SwiGLU, sinks; float and MXFP4 experts --------
+GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=256, initializer_range=0.1)
+GPT_OSS_SIZES = ("2", "ep@2")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_runs(tiny_hf_model_factory, make_mxfp4_checkpoint, run_parallel_worker) -> dict:
+    """The tiny gpt-oss at tensor and expert parallelism 2, float and MXFP4 (its down
+    projection's packed axis holds two blocks of 32, so tensor parallelism splits whole blocks)."""
+    float_dir = tiny_hf_model_factory("GptOssConfig", seed=4, random_biases=True, **GPT_OSS)
+    packed_dir, _ = make_mxfp4_checkpoint(float_dir)
+    return {kind: run_parallel_worker("tp", str(directory), ",".join(("1", *GPT_OSS_SIZES)))
+            for kind, directory in (("float", float_dir), ("mxfp4", packed_dir))}
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_gpt_oss_tokens_identical_to_one_device(gpt_oss_runs, kind):
+    runs = gpt_oss_runs[kind]
+    one = runs["1"]
+    for size in GPT_OSS_SIZES:
+        assert runs[size]["greedy"] == one["greedy"] and runs[size]["sampled"] == one["sampled"], size
+        assert runs[size]["max_logit_diff"] < LOGIT_ATOL, (size, runs[size]["max_logit_diff"])
+
+
+def test_gpt_oss_packed_experts_split_as_the_mode_says(gpt_oss_runs):
+    """Tensor parallelism splits the packed rows of gate/up (F) and the packed axis of down
+    (whole blocks of 32: bytes and scales alike); expert parallelism whole experts. The
+    down-projection bias stays whole (added once, after the all-reduce)."""
+    L, E, D, F = 2, 6, 64, 64
+    tp, ep = gpt_oss_runs["mxfp4"]["2"], gpt_oss_runs["mxfp4"]["ep@2"]
+    assert tp["moe_shard_shapes"] == {"gate_proj_blocks": [L, E, F // 2, D // 2],
+                                      "down_proj_blocks": [L, E, D, F // 2 // 2],
+                                      "down_proj_scales": [L, E, D, F // 32 // 2]}
+    assert ep["moe_shard_shapes"] == {"gate_proj_blocks": [L, E // 2, F, D // 2],
+                                      "down_proj_blocks": [L, E // 2, D, F // 2],
+                                      "down_proj_scales": [L, E // 2, D, F // 32]}
+    assert tp["moe_specs"]["down_bias"] == str(P()) == ep["moe_specs"]["down_bias"]
+    assert tp["hlo"]["all_reduce_moe"] == 1 and tp["hlo"]["all_to_all"] == 0
+
+
+def test_gpt_oss_mxfp4_tensor_parallel_needs_whole_blocks_per_device():
+    from orca_jax.models import config_from_hf
+
+    config = dataclasses.replace(config_from_hf({**GPT_OSS, "model_type": "gpt_oss", "intermediate_size": 32}),
+                                 expert_format="mxfp4")
+    with pytest.raises(ValueError, match="1 blocks of 32, which do not divide by 2; enable_expert_parallel"):
+        parallel.expert_layout(config, 2, False)
+    assert parallel.expert_layout(config, 2, True).expert_parallel

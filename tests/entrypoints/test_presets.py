@@ -306,3 +306,85 @@ def test_family_presets_fit_the_model_and_machine_they_name(name):
         assert f"{pool_tokens:,} tokens" in text and kv_per_token == 256 * 1024
         # Within the pretraining context LongRoPE uses its short factors only, as HF does.
         assert config.max_model_len == dict(model.rope_scaling)["original_max_position_embeddings"]
+
+
+# ---- gpt-oss: MXFP4 experts, against the real models' configs ------------------------------
+# gpt-oss-20b's and -120b's config.json as on the hub, abridged to what differs from
+# transformers' defaults (which are the 120b's) and what the loader reads.
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                quantization_config={"quant_method": "mxfp4"})
+GPT_OSS_20B = dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)
+GPT_OSS_120B = dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)
+# preset -> (hub config, memory per device in bytes, published (total, active) parameters in
+# billions: the gpt-oss model card's Table 1, 20.91 / 3.61 and 116.83 / 5.13).
+GPT_OSS_PRESETS = {
+    "gpt-oss-20b-h200": (GPT_OSS_20B, 141 * 10**9, (20.91, 3.61)),
+    "gpt-oss-20b-24gb": (GPT_OSS_20B, 24 * 10**9, (20.91, 3.61)),
+    "gpt-oss-120b-h200": (GPT_OSS_120B, 141 * 10**9, (116.83, 5.13)),
+    "gpt-oss-120b-tpu-v5e-8": (GPT_OSS_120B, 16 * GiB, (116.83, 5.13)),
+    "gpt-oss-120b-tpu-v6e-8": (GPT_OSS_120B, 32 * GiB, (116.83, 5.13)),
+}
+
+
+def _bytes_per_device(model, dtype: str, devices: int) -> int:
+    """The weight bytes one device holds: a leaf with an axis on the mesh split, the rest whole."""
+    import flax.linen as nn
+    import numpy as np
+
+    from orca_jax.distributed import parallel
+    from orca_jax.kernels.quantization import stored_dtype
+    from orca_jax.models import abstract_variables, logical_specs
+
+    leaves = parallel.tree_paths(nn.unbox(abstract_variables(model))["params"])
+    specs = parallel.tree_paths(logical_specs(model)["params"])
+    rules = dict(parallel.LOGICAL_AXIS_RULES)
+    total = 0
+    for path, leaf in leaves.items():
+        size = int(np.prod(leaf.shape)) * stored_dtype(path, leaf.dtype, dtype).itemsize
+        total += size // devices if any(rules.get(axis) for axis in tuple(specs[path]) if axis) else size
+    return total
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS_PRESETS))
+def test_gpt_oss_presets_fit_the_model_and_machine_they_name(name):
+    """Parameters as published (a packed byte holds two; the experts' biases count with their
+    experts), the MXFP4 weights and the KV cache fit the machine with the layout asked for, and
+    the preset's figures are these."""
+    import flax.linen as nn
+    import numpy as np
+
+    from orca_jax.core.kv_cache import kv_bytes_per_page
+    from orca_jax.distributed import parallel
+    from orca_jax.models import abstract_variables, config_from_hf
+
+    hub, memory, (published_total, published_active) = GPT_OSS_PRESETS[name]
+    preset = load_preset(name)
+    config = engine_config_from_preset(preset)
+    devices = config.tensor_parallel_size
+    assert config.quantization == "mxfp4"
+    model = parallel.expert_layout(config_from_hf(hub), devices, config.enable_expert_parallel)
+    assert model.expert_format == "mxfp4" and parallel.kv_head_repeats(model, devices) == 1
+
+    sizes = {path: int(np.prod(leaf.shape))
+             for path, leaf in parallel.tree_paths(nn.unbox(abstract_variables(model))["params"]).items()}
+    expert = sum(2 * n if path.endswith("_blocks") else n for path, n in sizes.items()
+                 if path.startswith("layers/moe/") and path.endswith(("_blocks", "gate_bias", "up_bias", "down_bias")))
+    total = sum(n for path, n in sizes.items() if not path.endswith(("_blocks", "_scales"))) + \
+        sum(2 * n for path, n in sizes.items() if path.endswith("_blocks"))
+    active = total - expert + expert * model.num_experts_per_tok // model.num_experts - sizes["embed"]
+    assert (round(total / 1e9, 2), round(active / 1e9, 2)) == (published_total, published_active)
+
+    weights = _bytes_per_device(model, config.dtype, devices)
+    kv_per_token = kv_bytes_per_page(model, 1, "bfloat16") // devices
+    pool_tokens = int((memory - weights) * config.gpu_memory_utilization) // kv_per_token
+    assert pool_tokens >= 2 * config.max_model_len and config.max_model_len <= model.max_position_embeddings
+    text = preset["description"] + (REPO / "configs" / f"{name}.toml").read_text()
+    assert f"{weights / 1e9:.1f} GB" in text and f"{kv_per_token // 1024} KiB per token" in text
+    tokens = f"{pool_tokens / 1e6:.1f}M" if pool_tokens >= 10**6 else f"{round(pool_tokens / 1000)}k"
+    assert f"about {tokens} tokens" in text, tokens
+    if name.startswith("gpt-oss-20b"):  # bfloat16 experts would not fit 24 GB
+        assert f"{2 * total / 1e9:.1f} GB" in text and 2 * total > 24 * 10**9
+    if name == "gpt-oss-120b-h200":
+        assert f"{2 * total / 1e9:.1f} GB in bfloat16" in text and 2 * total > memory
+    if devices > 1:
+        assert model.expert_parallel and model.num_experts // devices == 16

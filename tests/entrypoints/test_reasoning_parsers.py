@@ -41,7 +41,7 @@ def test_the_constraint_waits_for_the_end_unless_the_prompt_closed_the_block():
 
 
 def test_an_unknown_parser_is_refused_listing_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         reasoning_parser("nope")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ServerSettings("m", reasoning_parser="nope")

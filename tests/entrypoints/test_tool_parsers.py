@@ -217,9 +217,9 @@ def test_named_call_is_announced_before_any_argument():
 # -- registry ------------------------------------------------------------------------------
 
 def test_get_tool_parser():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "openai"}
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, openai"):
         get_tool_parser("mistral")
 
 

@@ -94,4 +94,6 @@ def _fields_of(model_type: str) -> dict:
         return dict(vocab_size=10, n_embd=64, n_layer=1, n_head=4)
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return dict(_LLAMA_BASE, num_local_experts=4, num_experts_per_tok=2)
+    if model_type == "gpt_oss":  # its defaults are the 120b's: 8 KV heads, 128 experts
+        return dict(_LLAMA_BASE, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
     return dict(_LLAMA_BASE)

@@ -181,9 +181,9 @@ def test_gpt2_reads_original_openai_names(tiny_hf_model_factory, tmp_path):
 def test_registry_covers_the_supported_model_types():
     assert SUPPORTED_MODEL_TYPES == tuple(ARCHITECTURES) == (
         "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
-        "qwen2_moe", "qwen3_moe")
+        "qwen2_moe", "qwen3_moe", "gpt_oss")
     with pytest.raises(ValueError, match="bert.*supported: llama, mistral, qwen2, qwen3, gpt2, gemma2, gemma3_text, "
-                                         "gemma3, phi3, mixtral, qwen2_moe, qwen3_moe"):
+                                         "gemma3, phi3, mixtral, qwen2_moe, qwen3_moe, gpt_oss"):
         architecture("bert")
 
 
