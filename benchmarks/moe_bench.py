@@ -68,8 +68,8 @@ from orca_jax.bench.arguments import choice_list, nonempty_sizes
 
 PARTS = ("matmul", "step")
 PROJECTIONS = ("up", "down")
-IMPLS = ("dense", "blocked", "ragged_dot", "ragged_dot_triton", "blocked_pow2")
-DEFAULT_IMPLS = IMPLS[:4]  # blocked_pow2 only when asked (the block rule's before/after)
+IMPLS = ("dense", "blocked", "ragged_dot", "ragged_dot_triton", "blocked_pow2", "blocked_mxfp4", "ragged_dot_mxfp4")
+DEFAULT_IMPLS = IMPLS[:4]  # blocked_pow2 only when asked (the block rule's before/after), the *_mxfp4 too
 # jax's switches of ragged_dot's lowering, recorded (they decide what "ragged_dot" means on GPU).
 RAGGED_DOT_FLAGS = ("jax_ragged_dot_use_ragged_dot_instruction", "jax_ragged_dot_use_gpu_pallas_triton_lowering")
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
@@ -175,7 +175,7 @@ def skip_reason(impl: str, backend: str, rows: int, k: int, n: int, experts: int
         return f"the Triton lowering is GPU-only (backend {backend})"
     if impl == "ragged_dot_triton" and not hasattr(jax.config, TRITON_FLAG):
         return f"this jax ({jax.__version__}) has no {TRITON_FLAG}"
-    if impl == "ragged_dot" and backend == "cpu":
+    if impl in ("ragged_dot", "ragged_dot_mxfp4") and backend == "cpu":
         flops, nbytes = ragged_dot_cpu_cost(rows, k, n, experts, itemsize)
         if flops > args.ragged_max_flops:
             return (f"CPU lowering is dense-masked: {flops / 1e9:.0f} GFLOP ({experts}x the useful FLOPs) "
@@ -245,6 +245,16 @@ def compile_impl(impl: str, lhs, weight, group_sizes):
     return compiled, lowering
 
 
+def packed_weight(host: np.ndarray):
+    """The same experts in MXFP4 (orca_jax/kernels/packed4.py): (PackedWeight, its exact float
+    values [E, K, N] on the host, the reference of the *_mxfp4 impls)."""
+    from orca_jax.kernels import packed4
+
+    blocks, scales = packed4.pack_mxfp4(np.swapaxes(host, -1, -2))  # rows: output channels
+    weight = packed4.PackedWeight(jnp.asarray(blocks), jnp.asarray(scales), "mxfp4")
+    return weight, np.asarray(weight.stacked(jnp.float32))
+
+
 def run_matmul(args, backend: str, bandwidth_gbs: float | None, on_row) -> None:
     dtype = jnp.dtype(args.dtype)
     for s_index, shape in enumerate(args.shapes):
@@ -253,6 +263,8 @@ def run_matmul(args, backend: str, bandwidth_gbs: float | None, on_row) -> None:
             rhs = (jax.random.normal(jax.random.key(1000 + s_index), (shape.experts, K, N), jnp.float32)
                    * K ** -0.5).astype(dtype)
             weights = {"rhs": rhs, "dense": rhs[0], "host": np.asarray(rhs.astype(jnp.float32))}
+            if any(impl.endswith("_mxfp4") for impl in args.impls):
+                weights["mxfp4"], weights["mxfp4_host"] = packed_weight(weights["host"])
             for phase, token_counts in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
                 for tokens in token_counts:
                     on_row(matmul_row(args, backend, bandwidth_gbs, shape, projection, weights, phase, tokens))
@@ -274,6 +286,8 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
     lhs = jax.random.normal(jax.random.key(tokens), (rows, K), jnp.float32).astype(dtype)
     sample = np.random.default_rng(0).choice(rows, size=min(rows, 64), replace=False)
     reference = sampled_reference(np.asarray(lhs.astype(jnp.float32)), rhs_host, experts_of_rows, sample)
+    packed_reference = (sampled_reference(np.asarray(lhs.astype(jnp.float32)), weights["mxfp4_host"], experts_of_rows,
+                                          sample) if "mxfp4" in weights else None)
     used = int(np.count_nonzero(group_sizes_host))
     flops = 2.0 * rows * K * N
     row = {"part": "matmul", "shape": shape.name, "hidden": shape.hidden, "intermediate": shape.intermediate,
@@ -291,7 +305,7 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
         if reason is not None:
             row["impls"][impl] = {"skipped": reason}
             continue
-        weight = weights["dense"] if impl == "dense" else rhs
+        weight = weights["dense"] if impl == "dense" else weights["mxfp4"] if impl.endswith("_mxfp4") else rhs
         try:  # a lowering that fails on this device is recorded, not fatal
             fn, lowering = compile_impl(impl, lhs, weight, group_sizes)
             start = time.perf_counter()
@@ -302,7 +316,7 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
             row["impls"][impl] = {"skipped": f"failed: {type(failure).__name__}: {str(failure)[:300]}"}
             continue
         if impl != "dense":
-            error = relative_error(out, reference, sample)
+            error = relative_error(out, packed_reference if impl.endswith("_mxfp4") else reference, sample)
             row["impls"][impl] = {"max_rel_error": error, **({"lowering": lowering} if lowering else {})}
             if not error <= args.max_error:
                 row["impls"][impl]["skipped"] = f"wrong: max relative error {error:.2e} > {args.max_error}"
@@ -319,13 +333,17 @@ def matmul_row(args, backend: str, bandwidth_gbs: float | None, shape: Shape, pr
         timing, entry = timings[impl], row["impls"].setdefault(impl, {})
         entry.update(timing, gflop_per_s=flops / timing["ms"] / 1e6)
         if impl != "dense":
-            entry["expert_weight_gb_per_s"] = row["expert_weight_bytes_read"] / timing["ms"] / 1e6
+            bytes_read = row["expert_weight_bytes_read"]
+            if impl.endswith("_mxfp4"):  # half a byte per weight and a scale byte per 32
+                bytes_read = bytes_read / dtype.itemsize * (0.5 + 1 / 32)
+            entry["expert_weight_gb_per_s"] = bytes_read / timing["ms"] / 1e6
             if bandwidth_gbs:
                 entry["share_of_read_bandwidth"] = entry["expert_weight_gb_per_s"] / bandwidth_gbs
             if "dense" in timings:
                 entry["rate_over_dense"] = timings["dense"]["ms"] / timing["ms"]
         if impl.startswith("blocked"):  # its rate on the rows it computes, padding included
-            computed = row[f"{impl}_layout"]["computed_rows"] / rows
+            layout = "blocked_pow2_layout" if impl == "blocked_pow2" else "blocked_layout"
+            computed = row[layout]["computed_rows"] / rows
             entry["computed_gflop_per_s"] = flops * computed / timing["ms"] / 1e6
     if "blocked" in timings and "ragged_dot" in timings:
         row["ragged_dot_over_blocked"] = timings["blocked"]["ms"] / timings["ragged_dot"]["ms"]

@@ -36,6 +36,14 @@ what that converter writes for the HF family, and how to read it back:
               `rope_factors_short` / `rope_factors_long` with `rope.scaling.attn_factor` and
               `rope.scaling.original_context_length` (the converter writes no scaling type);
               `attention.sliding_window` 0 for none (Phi-4-mini).
+  "gpt-oss"   GptOssForCausalLM: biases on the attention, the router (`ffn_gate_inp`) and the
+              stacked experts (`ffn_*_exps.bias`), the sinks as `attn_sinks`, the norm before
+              the experts as `post_attention_norm`; the converter splits HF's interleaved
+              gate_up_proj into gate and up. `attention.sliding_window` (128) on every other
+              layer, the first sliding (llama.cpp's fixed pattern, transformers' default), YaRN
+              from `rope.scaling.*` (not truncated, as both run it). Experts in MXFP4 (GGML type
+              39: a scale byte and 16 bytes of codes per 32 values) stay 4-bit: the values read
+              back pack to the same codes (orca_jax/kernels/packed4.py).
 All of these use NEOX RoPE except "llama", so only its Q/K rows were permuted.
 
 Mixture-of-experts files hold each layer's router (`ffn_gate_inp`) and its experts stacked, one
@@ -73,6 +81,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "gemma2": GGUFArchitecture("gemma2", rope_rows_permuted=False, norm_offset=1.0),
     "gemma3": GGUFArchitecture("gemma3_text", rope_rows_permuted=False, norm_offset=1.0),
     "phi3": GGUFArchitecture("phi3", rope_rows_permuted=False),
+    "gpt-oss": GGUFArchitecture("gpt_oss", rope_rows_permuted=False),
 }
 # Layers of the releases whose query_pre_attn_scalar is hidden / heads, not head_dim (the
 # 27B Gemma 2 and Gemma 3), as llama.cpp tells them apart.
@@ -200,6 +209,10 @@ def _experts(key, arch_name: str) -> dict[str, Any]:
         raise ValueError(f"GGUF {arch_name}.expert_count is {count} but {arch_name}.expert_used_count is missing")
     if arch_name == "llama":  # Mixtral: the experts are `feed_forward_length` wide
         return {"num_local_experts": count, "num_experts_per_tok": used}
+    if arch_name == "gpt-oss":  # gpt-oss's config has no width of its own for the experts
+        width = key("expert_feed_forward_length")
+        return {"num_local_experts": count, "num_experts_per_tok": used,
+                **({"intermediate_size": _same_in_every_layer(width, "expert_feed_forward_length")} if width else {})}
     return {
         "num_experts": count,
         "num_experts_per_tok": used,

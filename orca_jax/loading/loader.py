@@ -276,7 +276,11 @@ _GGUF_BLOCK_TO_HF_BY_FAMILY = {
     }),
     # Phi-3's fused projections, split by its own converter (models/phi3.py).
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: the norm before the experts, and the sinks (a bare parameter in HF: no suffix).
+    "gpt_oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
+# HF parameters without a `.weight` suffix.
+_GGUF_BARE_PARAMETERS = ("attn_sinks",)
 # Mixture-of-experts tensors, under the family's MoE prefix (`moe_families`: Mixtral's
 # block_sparse_moe, the Qwens' mlp). The stacked experts [E, out, in] take the names without
 # `.weight` that `moe_families.hf_to_params` reads stacked experts by (_GGUF_STACKED_EXPERTS).
@@ -330,9 +334,10 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ValueError(f"GGUF file {path}: {exc}") from exc
     timings["tokenizer_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    tensors = {}
+    tensors, mxfp4_experts = {}, False
     for tensor in reader.tensors:
         weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        mxfp4_experts |= tensor.tensor_type == gguf.GGMLQuantizationType.MXFP4 and "_exps." in tensor.name
         if tensor.name == "rope_freqs.weight":
             config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in weights))
             continue
@@ -351,6 +356,12 @@ def _load_gguf(path: Path) -> LoadedModel:
         tensors[hf_name] = weights
     config = dataclasses.replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     params = hf_to_params(tensors, config)
+    if mxfp4_experts and config.is_moe:
+        # gpt-oss files keep its experts MXFP4 (llama.cpp's blocks: the same codes and scales,
+        # nibbles in another order): packing the values read back gives the file's blocks
+        # (a value on a block's grid packs to itself), so the experts stay 4-bit on the device.
+        params = convert_expert_format(params, config, "mxfp4")
+        config = dataclasses.replace(config, expert_format="mxfp4")
     timings["dequantize_convert_s"] = time.perf_counter() - start
     logger.info("GGUF %s: parsed in %.2f s, tokenizer %.2f s, dequantized and converted in %.2f s",
                 path.name, timings["gguf_parse_s"], timings["tokenizer_s"], timings["dequantize_convert_s"])
@@ -388,10 +399,14 @@ def gguf_to_hf_name(name: str, model_type: str | None = None) -> str:
     layer, part, kind = match.groups() if match else (None, None, None)
     block_names = {**_GGUF_BLOCK_TO_HF, **_GGUF_BLOCK_TO_HF_BY_FAMILY.get(model_type, {})}
     if part in block_names:
+        if part in _GGUF_BARE_PARAMETERS:
+            return f"model.layers.{layer}.{block_names[part]}"
         return f"model.layers.{layer}.{block_names[part]}.{kind}"
     if part in _GGUF_MOE_BLOCK_TO_HF and model_type in HF_MOE_PREFIX:
         hf_name = f"model.layers.{layer}.{HF_MOE_PREFIX[model_type]}.{_GGUF_MOE_BLOCK_TO_HF[part]}"
-        return hf_name if part in _GGUF_STACKED_EXPERTS else f"{hf_name}.{kind}"
+        if part in _GGUF_STACKED_EXPERTS:  # gpt-oss's experts have biases: `{projection}_bias`
+            return hf_name if kind == "weight" else f"{hf_name}_bias"
+        return f"{hf_name}.{kind}"
     raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 

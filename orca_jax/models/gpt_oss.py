@@ -43,10 +43,13 @@ MXFP4 = "mxfp4"
 
 
 def config_from_hf(cfg: dict[str, Any], model_type: str) -> ModelConfig:
-    """HF `config.json` of gpt-oss (`model_type` "gpt_oss")."""
+    """HF `config.json` of gpt-oss (`model_type` "gpt_oss"; a GGUF file's metadata comes as one)."""
     cfg = {**HF_DEFAULTS, **cfg}
+    theta = cfg.get("rope_theta", DEFAULT_ROPE["rope_theta"])
     if not (cfg.get("rope_scaling") or cfg.get("rope_parameters")):
-        cfg["rope_parameters"] = dict(DEFAULT_ROPE, rope_theta=cfg.get("rope_theta", DEFAULT_ROPE["rope_theta"]))
+        cfg["rope_parameters"] = dict(DEFAULT_ROPE, rope_theta=theta)
+    elif cfg.get("rope_scaling"):  # the YaRN keys a GGUF file does not write are gpt-oss's own
+        cfg["rope_scaling"] = {**{k: v for k, v in DEFAULT_ROPE.items() if k != "rope_theta"}, **cfg["rope_scaling"]}
     if not cfg.get("layer_types"):  # transformers' default: sliding first, then every other layer
         cfg["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                               for i in range(cfg["num_hidden_layers"])]
@@ -94,13 +97,19 @@ def hf_to_params(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict[str, An
 
 def _hf_moe_layer(t: HFTensors, c: ModelConfig, prefix: str) -> dict[str, Any]:
     experts = f"{prefix}.experts"
-    gate_up_bias = t.take(f"{experts}.gate_up_proj_bias")  # [E, 2F], gate even, up odd
+    router = f"{prefix}.router" if t.has(f"{prefix}.router.weight") else f"{prefix}.gate"  # GGUF's name
     layer = {
-        "router": t.take(f"{prefix}.router.weight").T,  # [E, D] -> [D, E]
-        "router_bias": t.take(f"{prefix}.router.bias"),
-        "gate_bias": gate_up_bias[:, 0::2], "up_bias": gate_up_bias[:, 1::2],
+        "router": t.take(f"{router}.weight").T,  # [E, D] -> [D, E]
+        "router_bias": t.take(f"{router}.bias"),
         "down_bias": t.take(f"{experts}.down_proj_bias"),
     }
+    if t.has(f"{experts}.gate_proj"):  # a GGUF file's: one stack per projection, [E, out, in]
+        layer.update({f"{name}_bias": t.take(f"{experts}.{name}_proj_bias") for name in ("gate", "up")})
+        layer.update({f"{name}_proj": t.take(f"{experts}.{name}_proj").transpose(0, 2, 1)
+                      for name in ("gate", "up", "down")})
+        return layer
+    gate_up_bias = t.take(f"{experts}.gate_up_proj_bias")  # [E, 2F], gate even, up odd
+    layer.update(gate_bias=gate_up_bias[:, 0::2], up_bias=gate_up_bias[:, 1::2])
     packed = t.has(f"{experts}.gate_up_proj_blocks")
     if packed != (c.expert_format == MXFP4):
         held = "MXFP4 blocks" if packed else "float experts"

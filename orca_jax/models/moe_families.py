@@ -29,7 +29,8 @@ from orca_jax.models.moe import SparseMoE
 ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # Where the router and experts live in each family's HF checkpoint, and its per-expert names
 # of the gate, up and down projections.
-HF_MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+HF_MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp",
+                 "gpt_oss": "mlp"}  # gpt-oss runs this block too, read by its own converter (gpt_oss.py)
 _HF_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                     "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 

@@ -175,3 +175,21 @@ def test_blocked_pow2_runs_the_previous_block_rule_by_turns_with_the_current_one
         e = prefill["impls"][impl]
         assert e["max_rel_error"] < 1e-5 and e["ms"] > 0 and e["computed_gflop_per_s"] > 0
     assert "blocked_pow2" not in bench.parse_args([]).impls
+
+
+def test_mxfp4_impls_are_checked_against_their_own_unpacked_weights(bench, tmp_path):
+    """The *_mxfp4 impls run the same matmul on the experts packed 4-bit: checked against the
+    unpacked values (float32 exact), their weight bytes half a byte per weight plus scales."""
+    out = tmp_path / "moe.json"
+    argv = ["--parts", "matmul", "--shapes", "64:32:8:2", "--projections", "up", "--decode-tokens", "4",
+            "--prefill-tokens", "16", "--ragged-max-flops", "1e6", "--impls", "dense,blocked,blocked_mxfp4,ragged_dot_mxfp4",
+            "--repeats", "2", "--bandwidth-mib", "0", "--json", str(out)]
+    assert bench.main(argv) == 0
+    decode, prefill = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "matmul"]
+    for row in (decode, prefill):
+        packed = row["impls"]["blocked_mxfp4"]
+        assert packed["max_rel_error"] < 1e-5 and packed["ms"] > 0
+        assert packed["expert_weight_gb_per_s"] == pytest.approx(
+            row["experts_used"] * 64 * 32 * (0.5 + 1 / 32) / packed["ms"] / 1e6)
+    assert decode["impls"]["ragged_dot_mxfp4"]["max_rel_error"] < 1e-5
+    assert "--ragged-max-flops" in prefill["impls"]["ragged_dot_mxfp4"]["skipped"]

@@ -699,10 +699,10 @@ def test_unknown_architecture_is_refused_listing_the_supported_ones(tmp_path, ar
     with pytest.raises(ValueError, match=f"unsupported GGUF architecture '{arch}'") as info:
         load_model(path)
     assert str(info.value).endswith(
-        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3"
+        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, gpt-oss"
     )
     assert SUPPORTED_GGUF_ARCHITECTURES == (
-        "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3",
+        "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss",
     )
     if arch == "gpt2":
         assert "attn_qkv" in str(info.value)  # says why, not just no

@@ -262,3 +262,20 @@ def test_the_layer_holds_no_float_copy_of_the_experts(mxfp4_dirs):
     shapes = {tuple(int(d) for d in s.split(",")) for s in re.findall(r"f32\[([\d,]+)\]", hlo)}
     assert not [s for s in shapes if len(s) == 3 and s[0] == E and set(s[1:]) == {D, F}]
     assert [s for s in shapes if len(s) == 2 and set(s) == {D, F}]  # one expert's matrix, unpacked
+
+
+def test_a_converted_checkpoint_keeps_the_experts_packed(mxfp4_dirs, tmp_path):
+    """`orca-jax convert` of the MXFP4 model saves the codes and scales as they are; the
+    checkpoint restores them packed, with its expert format in the config marker."""
+    from orca_jax.loading.convert import convert
+
+    convert(str(mxfp4_dirs[0]), tmp_path / "ckpt")
+    restored = load_model(tmp_path / "ckpt")
+    assert restored.config.expert_format == "mxfp4"
+    tree = restored.params.restore_host()
+    original = load_model(mxfp4_dirs[0]).params["params"]["layers"]["moe"]
+    for key in ("gate_proj_blocks", "down_proj_scales"):
+        assert tree["params"]["layers"]["moe"][key].dtype == np.uint8
+        np.testing.assert_array_equal(tree["params"]["layers"]["moe"][key], original[key])
+    unpacked = load_model(tmp_path / "ckpt", quantization="none")
+    assert unpacked.config.expert_format is None and unpacked.params["params"]["layers"]["moe"]["up_proj"].ndim == 4
