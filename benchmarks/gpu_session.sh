@@ -24,13 +24,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run one check, keep its log, never s
 }
 # kernel_bench and step_bench write their JSON after every stage or row (correctness, each case,
 # tuning; each engine's batch), so a stage cut by its limit still returns what it measured.
-# Limits: 150 + 155 + 80 + 85 + 55 + 25 s of stages, plus start-up and the version checks: about 9.5
-# minutes (the first four were 190 + 170 + 90 + 100 before the MoE stage, kernel_bench 170 and MoE 60
-# before the sliding-window one; each cut drops at most its last rows).
-stage kernel_bench 150 python3 benchmarks/kernel_bench.py --json "$OUT/kernel_bench.json"
+# Limits: 140 + 145 + 80 + 85 + 55 + 25 + 25 s of stages, plus start-up and the version checks: about
+# 9.5 minutes (the first four were 190 + 170 + 90 + 100 before the MoE stage, kernel_bench 170 and MoE 60
+# before the sliding-window one, kernel_bench 150 and step_bench 155 before the MXFP4 one; each cut
+# drops at most its last rows).
+stage kernel_bench 140 python3 benchmarks/kernel_bench.py --json "$OUT/kernel_bench.json"
 # Decode step at batch 64 and 256 against the roofline, synchronous and overlapped scheduling
 # (issue 13), then the attention reference once: three engines, the second from the cache.
-stage step_bench 155 python3 benchmarks/step_bench.py --modes sync,async --json "$OUT/step_bench.json"
+stage step_bench 145 python3 benchmarks/step_bench.py --modes sync,async --json "$OUT/step_bench.json"
 stage gpu_engine_check 80 python3 benchmarks/gpu_engine_check.py --batch-sizes 1,64 --out "$OUT/gpu_engine_check.json"
 # Quantized weights and KV cache (issue 18): the decode step on fp8 weights (H200 has fp8 units)
 # with an int8 cache, then int8 weights with an fp8 cache, against the roofline of the bytes held.
@@ -45,6 +46,12 @@ stage quant_step_bench 85 bash -c "python3 benchmarks/step_bench.py --quantizati
 # at 512 tokens: were a lowering dense-masked (128x the FLOPs), one call would take seconds.
 stage moe_bench 55 python3 benchmarks/moe_bench.py --parts matmul --shapes qwen3_30b_a3b --dtype bfloat16 \
     --decode-tokens 8,64 --prefill-tokens 256,512 --max-seconds 2 --bandwidth-mib 2048 --json "$OUT/moe_bench.json"
+# MXFP4 experts (issue 36): gpt-oss-120b's expert shapes (D = F = 2880, 128 experts, top-4), the
+# experts packed 4-bit and unpacked for ragged_dot each call, against ragged_dot on bfloat16 and
+# the blocked loop unpacking one expert per block: what keeping gpt-oss 4-bit costs per layer.
+stage moe_mxfp4_bench 25 python3 benchmarks/moe_bench.py --parts matmul --shapes gpt_oss_120b --dtype bfloat16 \
+    --projections up --impls dense,ragged_dot,ragged_dot_mxfp4,blocked_mxfp4 --decode-tokens 8,64 \
+    --prefill-tokens 512 --max-seconds 2 --bandwidth-mib 0 --json "$OUT/moe_mxfp4_bench.json"
 # Sliding windows (issue 34): a decode step of a sliding layer at 8k context against the same
 # step at its window's length (about 1x when the kernel reads only the window's pages) and
 # against a full layer at 8k; the output checked against the reference on the same inputs.

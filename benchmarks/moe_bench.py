@@ -23,6 +23,10 @@ finished). Nothing here picks a platform: it runs on `jax.default_backend()`.
   2 M K N FLOPs on one weight; when asked, "blocked_pow2": the blocked loop under the block
   rule it had before `grouped_mlp.block_rows_for` (`block_rows_pow2`: the power of two at or
   above the mean group size, from 8 to 256), so both rules run by turns on the same rows.
+  Also when asked, "blocked_mxfp4" and "ragged_dot_mxfp4": the same two on experts of the same
+  shapes packed MXFP4 (`packed_weight`: random codes; the blocked loop unpacks one expert per
+  block, ragged_dot gets the whole stack unpacked first), checked against their unpacked values;
+  their weight bytes are 4.25 bits per weight.
   Reported: ms, GFLOP/s of the useful 2 M K N FLOPs, each impl's
   rate over dense's, and the expert weight bytes the step must read (experts with a row x K x
   N) per second. Each impl's output is checked against a float32 numpy product of 64 sampled
@@ -92,6 +96,8 @@ SHAPES = {s.name: s for s in (
     Shape("qwen3_a3b_cpu", 1024, 768, 64, 8),  # half its hidden size and experts
     Shape("mixtral_8x7b", 4096, 14336, 8, 2),
     Shape("mixtral_cpu", 1024, 3584, 8, 2),  # a quarter of Mixtral-8x7B's hidden and width
+    Shape("gpt_oss_120b", 2880, 2880, 128, 4),  # gpt-oss-120b (36 layers; the 20b: 24 layers of 32 experts)
+    Shape("gpt_oss_cpu", 1024, 1024, 32, 4),  # its top-4 routing at a CPU's size
 )}
 
 # The step part's models: a Qwen3-MoE-like model sized to run in seconds on two cores (its
@@ -245,13 +251,17 @@ def compile_impl(impl: str, lhs, weight, group_sizes):
     return compiled, lowering
 
 
-def packed_weight(host: np.ndarray):
-    """The same experts in MXFP4 (orca_jax/kernels/packed4.py): (PackedWeight, its exact float
-    values [E, K, N] on the host, the reference of the *_mxfp4 impls)."""
+def packed_weight(experts: int, K: int, N: int, seed: int):
+    """Experts of the same shapes in MXFP4 (orca_jax/kernels/packed4.py): random codes at a scale
+    of 2 ** -5 (values up to 0.19), made on the device (packing gpt-oss-120b's 1e9 weights with
+    numpy would take the stage's time; the time of a matmul does not depend on the values).
+    Returns (PackedWeight, its exact float values [E, K, N] on the host, the *_mxfp4 impls'
+    reference)."""
     from orca_jax.kernels import packed4
 
-    blocks, scales = packed4.pack_mxfp4(np.swapaxes(host, -1, -2))  # rows: output channels
-    weight = packed4.PackedWeight(jnp.asarray(blocks), jnp.asarray(scales), "mxfp4")
+    blocks = jax.random.randint(jax.random.key(seed), (experts, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jnp.full((experts, N, K // 32), packed4.E8M0_BIAS - 5, jnp.uint8)
+    weight = packed4.PackedWeight(blocks, scales, "mxfp4")
     return weight, np.asarray(weight.stacked(jnp.float32))
 
 
@@ -264,7 +274,7 @@ def run_matmul(args, backend: str, bandwidth_gbs: float | None, on_row) -> None:
                    * K ** -0.5).astype(dtype)
             weights = {"rhs": rhs, "dense": rhs[0], "host": np.asarray(rhs.astype(jnp.float32))}
             if any(impl.endswith("_mxfp4") for impl in args.impls):
-                weights["mxfp4"], weights["mxfp4_host"] = packed_weight(weights["host"])
+                weights["mxfp4"], weights["mxfp4_host"] = packed_weight(shape.experts, K, N, 2000 + s_index)
             for phase, token_counts in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
                 for tokens in token_counts:
                     on_row(matmul_row(args, backend, bandwidth_gbs, shape, projection, weights, phase, tokens))

@@ -294,6 +294,8 @@ class OpenAIServing:
     def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
         kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+        if request.reasoning_effort is not None:  # chat_template_kwargs may still set it explicitly
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         try:
             return apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=plan.tools,
                                        call_format=plan.call_format,
@@ -422,6 +424,8 @@ class OpenAIServing:
             conversation = [m.as_template_dict() for m in request.messages]
             tools = [t.as_template_dict() for t in request.tools or []] or None
             kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+        if request.reasoning_effort is not None:  # chat_template_kwargs may still set it explicitly
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
             try:
                 ids = apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=tools,
                                           continue_final_message=request.continue_final_message,

@@ -515,6 +515,10 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the reply.
     include_reasoning: bool = True
+    # OpenAI's: how much the model should reason. A template variable of that name (gpt-oss's
+    # template writes it into the system message as "Reasoning: high"); templates that do not
+    # read it are unchanged.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @field_validator("functions", "function_call")
     @classmethod

@@ -136,6 +136,7 @@ def test_gpt_oss_tokens_identical_to_one_device(gpt_oss_runs, kind):
     runs = gpt_oss_runs[kind]
     one = runs["1"]
     for size in GPT_OSS_SIZES:
+        print(f"gpt_oss {kind} {size}: max |logit diff| to one device {runs[size]['max_logit_diff']:.2e}")
         assert runs[size]["greedy"] == one["greedy"] and runs[size]["sampled"] == one["sampled"], size
         assert runs[size]["max_logit_diff"] < LOGIT_ATOL, (size, runs[size]["max_logit_diff"])
 

@@ -122,7 +122,8 @@ def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
 MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 HARMONY_TEMPLATE = (
     "{%- set ns = namespace(tool='') -%}"
-    "<|start|>system<|message|># Valid channels: analysis, commentary, final.<|end|>"
+    "<|start|>system<|message|># Valid channels: analysis, commentary, final."
+    "{% if reasoning_effort %}\nReasoning: {{ reasoning_effort }}{% endif %}<|end|>"
     "{%- if tools -%}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n"
     "{%- for t in tools %}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
     "(_: {{ t.function.parameters | tojson }}) => any;{% endfor %}\n} // namespace functions<|end|>{%- endif -%}"
@@ -274,3 +275,25 @@ def test_no_marker_reaches_the_client(live):
                                                    temperature=0)
     dumped = json.dumps(reply.model_dump())
     assert not [m for m in MARKERS if m in dumped]
+
+
+def test_a_structured_output_constrains_the_final_channel_only(live):
+    """The answer is held to the choices; the analysis before it ("it is mild", no choice) is
+    not, so the constraint began at the final channel."""
+    reply = _client(live).chat.completions.create(
+        model=MODEL, messages=SECOND_TURN, tools=TOOLS, max_tokens=80, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["20 C", "cold"]}})
+    message = reply.choices[0].message.model_dump()
+    assert (message["reasoning"], message["content"]) == ("it is mild", "20 C")
+
+
+def test_reasoning_effort_reaches_the_template(live):
+    """OpenAI's `reasoning_effort` is the template variable gpt-oss's template reads ("Reasoning:
+    high" in its system message): the prompt grows by that line."""
+    client = _client(live)
+    body = dict(model=MODEL, messages=FIRST_TURN, max_tokens=1, temperature=0)
+    plain = client.chat.completions.create(**body).usage.prompt_tokens
+    high = client.chat.completions.create(reasoning_effort="high", **body).usage.prompt_tokens
+    assert high > plain
+    with pytest.raises(Exception, match="reasoning_effort"):
+        client.chat.completions.create(reasoning_effort="extreme", **body)
