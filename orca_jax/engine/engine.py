@@ -36,7 +36,7 @@ import numpy as np
 from orca_jax.worker import multihost
 from orca_jax.distributed import parallel
 from orca_jax.worker.compilation_cache import active_cache_dir, configure_for_process
-from orca_jax.config import EngineConfig
+from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.loading.dtype_policy import resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
 from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
@@ -207,7 +207,7 @@ class LLMEngine:
             "(%d tokens), scheduling %s, async scheduling %s, tensor_parallel_size %d, pipeline_parallel_size %d, "
             "compilation cache %s",
             c.model or "default", self.model_config.model_type, self.model_config.num_layers, c.dtype,
-            self.model_config.quantization or "not quantized", self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
+            _weights_description(self.model_config), self.runner.kv_dtype.name, self.attention_impl, c.max_model_len,
             " (the model's)" if c.max_model_len == self.model_config.max_position_embeddings else "",
             c.max_num_seqs, c.max_num_batched_tokens, list(c.token_buckets), c.page_size, self.allocator.num_pages,
             self.allocator.num_usable * c.page_size, c.scheduling, "on" if c.async_scheduling else "off",
@@ -663,3 +663,8 @@ def _step_prompt_positions(scheduled) -> dict[int, tuple[Sequence, int]]:
         offset += num_new
     return owners
 
+
+def _weights_description(model: ModelConfig) -> str:
+    """How the weights are stored, for the start-up log: the dense format, and the experts' own."""
+    dense = model.quantization or "not quantized"
+    return f"{dense}, experts {model.expert_format}" if model.expert_format else dense
