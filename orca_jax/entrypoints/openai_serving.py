@@ -291,11 +291,18 @@ class OpenAIServing:
             message.update(reasoning)
         return choice
 
+    def _template_kwargs(self, request: ChatCompletionRequest | TokenizeRequest) -> dict:
+        """The template's extra variables: the server's defaults, the request's
+        chat_template_kwargs over them, and OpenAI's `reasoning_effort` (gpt-oss's template
+        reads it) unless those set it already."""
+        kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+        if request.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        return kwargs
+
     def _chat_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         conversation = [m.as_template_dict() for m in request.messages]
-        kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
-        if request.reasoning_effort is not None:  # chat_template_kwargs may still set it explicitly
-            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        kwargs = self._template_kwargs(request)
         try:
             return apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=plan.tools,
                                        call_format=plan.call_format,
@@ -423,9 +430,7 @@ class OpenAIServing:
         if request.messages is not None:
             conversation = [m.as_template_dict() for m in request.messages]
             tools = [t.as_template_dict() for t in request.tools or []] or None
-            kwargs = {**self.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
-        if request.reasoning_effort is not None:  # chat_template_kwargs may still set it explicitly
-            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+            kwargs = self._template_kwargs(request)
             try:
                 ids = apply_chat_template(self.tokenizer, conversation, request.add_generation_prompt, tools=tools,
                                           continue_final_message=request.continue_final_message,

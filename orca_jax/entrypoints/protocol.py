@@ -401,6 +401,10 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+# OpenAI's `reasoning_effort` values.
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -518,7 +522,7 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's: how much the model should reason. A template variable of that name (gpt-oss's
     # template writes it into the system message as "Reasoning: high"); templates that do not
     # read it are unchanged.
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -608,6 +612,7 @@ class TokenizeRequest(StrictModel):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
     tools: list[Tool] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # rendered as the chat's would be
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):

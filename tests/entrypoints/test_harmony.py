@@ -295,5 +295,9 @@ def test_reasoning_effort_reaches_the_template(live):
     plain = client.chat.completions.create(**body).usage.prompt_tokens
     high = client.chat.completions.create(reasoning_effort="high", **body).usage.prompt_tokens
     assert high > plain
+    import httpx  # /tokenize renders a conversation as the chat does, reasoning_effort included
+
+    tokenized = httpx.post(f"{live[0]}/tokenize", json=dict(model=MODEL, messages=FIRST_TURN, reasoning_effort="high"))
+    assert tokenized.json()["count"] == high
     with pytest.raises(Exception, match="reasoning_effort"):
         client.chat.completions.create(reasoning_effort="extreme", **body)
