@@ -31,6 +31,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from orca_jax.entrypoints.partial_tags import without_partial_tag
+
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 TERMINATORS = (END, CALL, RETURN)
@@ -100,7 +102,9 @@ def open_header(prompt_text: str) -> str:
 
 
 def _held_marker_prefix(text: str) -> int:
-    """How many characters at the end of `text` may be the start of a marker."""
+    """How many characters at the end of `text` may be the start of a marker, or a whole one
+    (a body may hold a literal `<|channel|>`; held, the next token shows whether a header
+    follows). Wider than `partial_tags.partial_tag_length`, which stops short of the whole tag."""
     for length in range(min(max(map(len, MARKERS)) - 1, len(text)), 0, -1):
         if any(marker.startswith(text[-length:]) for marker in MARKERS):
             return length
@@ -173,10 +177,5 @@ def function_calls(content: str, final: bool) -> tuple[str, list[tuple[str, str,
         calls.append((name, body, close >= 0 or final))
         pos = len(content) if close < 0 else close + len(CALL)
     tail = content[pos:]
-    if not final:
-        for length in range(min(len(CALL_PREFIX) - 1, len(tail)), 0, -1):
-            if CALL_PREFIX.startswith(tail[-length:]):
-                tail = tail[:-length]
-                break
-    text.append(tail)
+    text.append(tail if final else without_partial_tag(tail, CALL_PREFIX))
     return "".join(text), calls

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orca_jax.entrypoints.harmony import HarmonyReasoningParser
+from orca_jax.entrypoints.partial_tags import partial_tag_length
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,8 @@ class ReasoningParser:
         end = text.find(self.end)
         if end >= 0:
             return text[:end], text[end + len(self.end):], 0
-        held = 0 if final else _partial_tag_length(text, self.end)
+        held = 0 if final else partial_tag_length(text, self.end)
         return text[:len(text) - held], "", held
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 REASONING_PARSERS = {

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from orca_jax.entrypoints import harmony
+from orca_jax.entrypoints.partial_tags import without_partial_tag
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 _WHITESPACE = " \t\r\n"
@@ -245,15 +246,7 @@ class HermesToolParser:
                     raise _Malformed("text after a call inside its block")
                 return  # the closing tag is being written
         tail = text[pos:]
-        yield tail if final else _without_partial_tag(tail, self.OPEN)
-
-
-def _without_partial_tag(text: str, tag: str) -> str:
-    """`text` less any ending that could be the start of `tag`, which must not be shown yet."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return text[:-length]
-    return text
+        yield tail if final else without_partial_tag(tail, self.OPEN)
 
 
 class Llama3JsonToolParser:

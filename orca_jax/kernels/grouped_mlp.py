@@ -73,12 +73,13 @@ def grouped_matmul(lhs, rhs, group_sizes, impl: str):
     if impl == "ragged_dot":
         out = jax.lax.ragged_dot(lhs, _stacked(rhs, lhs.dtype), group_sizes)
         return jnp.where(_in_groups(lhs.shape[0], group_sizes)[:, None], out, 0)
-    block_rows = block_rows_for(lhs.shape[0], _num_groups(rhs))
+    block_rows = block_rows_for(lhs.shape[0], groups_of(rhs))
     return _block_loop(lhs, group_sizes, block_rows, _out_dim(rhs),
                        lambda block, g: block @ _matrix(rhs, g, block.dtype))
 
 
-def _num_groups(weight) -> int:
+def groups_of(weight) -> int:
+    """The groups (experts) of a float stack or a `PackedWeight`."""
     return weight.num_groups if isinstance(weight, PackedWeight) else weight.shape[0]
 
 
@@ -134,7 +135,7 @@ def block_rows_for(num_rows: int, num_groups: int) -> int:
 
 
 def _blocked_mlp(rows, group_sizes, gate, up, down, glu, gate_bias, up_bias):
-    block_rows = block_rows_for(rows.shape[0], _num_groups(gate))
+    block_rows = block_rows_for(rows.shape[0], groups_of(gate))
 
     def expert_mlp(block, g):
         dtype = block.dtype

@@ -145,8 +145,7 @@ def set_expert_format(loaded: LoadedModel, target: str | None, dtype: str = "flo
         return loaded
     start = time.perf_counter()
     float_dtype = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    params = loaded.params if isinstance(loaded.params, dict) else loaded.params.restore_host(float_dtype)
-    loaded.params = convert_expert_format(params, config, target, float_dtype)
+    loaded.params = convert_expert_format(_host_params(loaded, float_dtype), config, target, float_dtype)
     loaded.config = dataclasses.replace(config, expert_format=target)
     loaded.timings["expert_format_s"] = time.perf_counter() - start
     logger.info("experts: %s -> %s in %.2f s", config.expert_format or "float", target or "float",
@@ -169,12 +168,18 @@ def quantize_loaded(loaded: LoadedModel, method: str | None) -> LoadedModel:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks; {loaded.source} is not a GGUF "
                          f"file (use quantization='int8')")
     start = time.perf_counter()
-    params = loaded.params if isinstance(loaded.params, dict) else loaded.params.restore_host(np.float32)
+    params = _host_params(loaded, np.float32)
     loaded.config = dataclasses.replace(loaded.config, quantization=method)
     loaded.params = quantize_params(params, loaded.config)
     loaded.timings["quantize_s"] = time.perf_counter() - start
     logger.info("weights: quantized to %s in %.2f s", method, loaded.timings["quantize_s"])
     return loaded
+
+
+def _host_params(loaded: LoadedModel, dtype) -> dict:
+    """The loaded weights as a host tree: as converted, or restored from a saved checkpoint (its
+    floats in `dtype`, quantized leaves as saved)."""
+    return loaded.params if isinstance(loaded.params, dict) else loaded.params.restore_host(dtype)
 
 
 def _load_float_or_saved(model, dtype: str, cache_dir, revision: str | None = None) -> LoadedModel:

@@ -17,7 +17,7 @@ import numpy as np
 
 from orca_jax.distributed import parallel
 from orca_jax.kernels import packed4, quantization
-from orca_jax.config import ModelConfig
+from orca_jax.config import EXPERT_FORMATS, ModelConfig
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.models import gemma, gpt2, gpt_oss, llama, moe_families, phi3
 from orca_jax.models.layers import ACTIVATIONS, activation, model_rope_tables
@@ -163,8 +163,8 @@ def convert_expert_format(params: dict[str, Any], config: ModelConfig, target: s
     have = config.expert_format
     if target == have:
         return params
-    if target is not None and target not in packed4.FORMATS:
-        raise ValueError(f"unknown expert format {target!r}")
+    if target not in (None, *EXPERT_FORMATS):  # packing writes MXFP4 only (`pack_mxfp4`)
+        raise ValueError(f"unknown expert format {target!r}; known: {', '.join(EXPERT_FORMATS)}")
     for name in _EXPERT_PROJECTIONS:
         if have is None:
             moe[f"{name}_blocks"], moe[f"{name}_scales"] = _pack_layers(moe.pop(name))

@@ -86,8 +86,7 @@ def routed_experts(x, weights, experts, num_tokens, expert_weights: "ExpertWeigh
     whose ids start at `first_expert`. Returns this device's [T, D] share (the whole output on
     one device); the down projection's bias is the caller's (`down_bias_term`)."""
     gate, up, down, gate_bias, up_bias = expert_weights
-    num_local = gate.num_groups if isinstance(gate, PackedWeight) else gate.shape[0]
-    order, group_sizes = group_by_expert(experts, num_tokens, first_expert, num_local)
+    order, group_sizes = group_by_expert(experts, num_tokens, first_expert, grouped_mlp.groups_of(gate))
     rows = x[order // experts.shape[1]]
     sorted_out = grouped_mlp.grouped_mlp(rows, group_sizes, gate, up, down, None, impl, gate_bias=gate_bias,
                                          up_bias=up_bias, glu=glu)
@@ -139,6 +138,26 @@ def expert_axes(expert_parallel: bool) -> tuple[tuple[str, str, str], tuple[str,
     return (expert, "embed", inner), (expert, inner, "embed")
 
 
+def expert_bias_axes(expert_parallel: bool) -> tuple[str, str]:
+    """The axes of the gate and up projections' biases [E, F]: their weights' experts and width."""
+    up_axes, _ = expert_axes(expert_parallel)
+    return up_axes[0], up_axes[2]
+
+
+def expert_logical_axes(expert_weights: ExpertWeights, expert_parallel: bool) -> ExpertWeights:
+    """The logical axes of each leaf of `expert_weights`, in its structure (shard_map's specs):
+    a float stack's from `expert_axes`, a packed one's transposed, a bias its weight's experts
+    and intermediate axes."""
+    up_axes, down_axes = expert_axes(expert_parallel)
+
+    def axes(weight, float_axes, packed_axes):
+        return PackedWeight(packed_axes, packed_axes, weight.format) if isinstance(weight, PackedWeight) else float_axes
+
+    bias_axes = None if expert_weights.gate_bias is None else expert_bias_axes(expert_parallel)
+    return ExpertWeights(axes(expert_weights.gate, up_axes, down_axes), axes(expert_weights.up, up_axes, down_axes),
+                         axes(expert_weights.down, down_axes, up_axes), bias_axes, bias_axes)
+
+
 class SparseMoE(nn.Module):
     """Router, routed experts and optional shared expert of one layer: x [T, D] -> [T, D].
     `num_tokens`: the real tokens of the step (the rest of T is padding)."""
@@ -188,7 +207,7 @@ class SparseMoE(nn.Module):
             down = self._packed("down_proj", up_axes, D, F)
         if not c.moe_bias:
             return ExpertWeights(gate, up, down)
-        bias_axes = (up_axes[0], up_axes[2])
+        bias_axes = expert_bias_axes(c.expert_parallel)
         return ExpertWeights(gate, up, down, self._bias("gate_bias", bias_axes, (E, F)),
                              self._bias("up_bias", bias_axes, (E, F)))
 
@@ -222,24 +241,11 @@ class SparseMoE(nn.Module):
         routed = functools.partial(routed_experts, glu=expert_glu(c), impl=impl)
         if self.mesh is None:
             return routed(x, weights, experts, num_tokens, expert_weights)
-        specs = jax.tree.map(lambda leaf: parallel.mesh_spec(leaf), self._expert_logical_axes(),
+        specs = jax.tree.map(parallel.mesh_spec, expert_logical_axes(expert_weights, c.expert_parallel),
                              is_leaf=lambda node: isinstance(node, tuple) and all(isinstance(a, str) for a in node))
         return parallel.per_shard_experts(self.mesh, specs, c.expert_parallel, routed)(
             x, weights, experts, num_tokens, expert_weights)
 
-    @nn.nowrap
-    def _expert_logical_axes(self) -> ExpertWeights:
-        """The logical axes of each leaf of `_expert_weights`' tree, in the same structure."""
-        c = self.config
-        up_axes, down_axes = expert_axes(c.expert_parallel)
-        if c.expert_format is None:
-            gate, up, down = up_axes, up_axes, down_axes
-        else:
-            gate, up, down = (PackedWeight(axes, axes, c.expert_format) for axes in (down_axes, down_axes, up_axes))
-        if not c.moe_bias:
-            return ExpertWeights(gate, up, down)
-        bias_axes = (up_axes[0], up_axes[2])
-        return ExpertWeights(gate, up, down, bias_axes, bias_axes)
     @nn.nowrap
     def _shared_expert(self, x):
         c = self.config
