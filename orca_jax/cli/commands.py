@@ -56,7 +56,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "the model's generation_config.json; vllm, none; or DIR's generation_config.json; "
                              "a request's own values win (default: auto)")
     parser.add_argument("--dtype", default=None, choices=("auto", *DTYPES, *DTYPE_ALIASES),
-                        help="weights and activations; auto: the checkpoint's dtype on GPU/TPU, float32 on CPU "
+                        help="weights and activations; auto: the checkpoint's dtype on GPU/TPU (float16 on GPUs below sm_80, "
+                             "which have no bfloat16), float32 on CPU "
                              f"(default: {EngineConfig.dtype})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", *KV_CACHE_DTYPES),
                         help="KV cache dtype; auto: the model dtype, but float32 on CPU; int8 / fp8_e4m3: 8-bit "
@@ -394,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert HF or GGUF weights once into an orbax checkpoint")
     conv.add_argument("model", help="HF directory, .gguf file or hub id ('default': the embedded SmolLM2)")
     conv.add_argument("out_dir", help="new directory for the checkpoint; use it later as --model / LLM(model=...)")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                       help="dtype of the saved weights (default: float32)")
     conv.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="save sharded over this many devices (restores at any size)")

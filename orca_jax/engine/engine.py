@@ -37,7 +37,8 @@ from orca_jax.worker import multihost
 from orca_jax.distributed import parallel
 from orca_jax.worker.compilation_cache import active_cache_dir, configure_for_process
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.loading.dtype_policy import resolve_model_dtype
+from orca_jax.kernels.gpu_info import compute_capability
+from orca_jax.loading.dtype_policy import auto_dtype_reason, check_dtype_supported, resolve_model_dtype
 from orca_jax.kernels.quantization import resolve_method
 from orca_jax.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from orca_jax.errors import CONSTRAINT_FAILED, RequestError, check_unicode
@@ -82,11 +83,13 @@ def release_free_host_memory() -> None:
 
 
 def _resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
-    """dtype="auto" made concrete for this backend and checkpoint, before the model loads in it."""
+    """dtype="auto" made concrete for this backend, GPU and checkpoint, before the model loads
+    in it; an explicit dtype the GPU cannot run (bfloat16 below sm_80) is refused here."""
+    backend, capability = jax.default_backend(), compute_capability(jax.local_devices()[0])
+    dtype = resolve_model_dtype(config.dtype, backend, config.model, config.revision, capability=capability)
     if config.dtype != "auto":
         return config
-    dtype = resolve_model_dtype(config.dtype, jax.default_backend(), config.model, config.revision)
-    logger.info("dtype auto: %s on backend %s", dtype, jax.default_backend())
+    logger.info("dtype auto: %s", auto_dtype_reason(dtype, backend, capability))
     return dataclasses.replace(config, dtype=dtype)
 
 
@@ -109,6 +112,7 @@ class LLMEngine:
                             revision=config.revision)
         loaded_at = time.perf_counter()
         self.model_config = loaded.config
+        check_dtype_supported(config.dtype, jax.default_backend(), model_type=loaded.config.model_type)
         self.config = config.resolve(loaded.config)
         self.tokenizer = loaded.tokenizer if config.tokenizer is None else load_tokenizer_from(config.tokenizer)
         # What a request's missing sampling fields take (--generation-config).

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.kernels import gpu_info
+
 logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "fp8", "gguf")
@@ -88,9 +90,7 @@ def resolve_method(method: str | None, device) -> str | None:
 
 def has_fp8_matmul(device) -> bool:
     if device.platform == "gpu":
-        capability = getattr(device, "compute_capability", "0.0")
-        major, minor = (int(part) for part in str(capability).split(".")[:2])
-        return (major, minor) >= (8, 9)
+        return (gpu_info.compute_capability(device) or 0) >= gpu_info.FP8_MATMUL_MIN_CAPABILITY
     if device.platform == "tpu":
         kind = device.device_kind.lower()
         return "v7" in kind or "7x" in kind

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from orca_jax.kernels import kv_quant
+from orca_jax.kernels import gpu_info, kv_quant
 from orca_jax.kernels.metadata import AttentionMetadata
 
 # A finite "minus infinity" so exp(m_old - m_new) stays defined before a row has seen a key.
@@ -164,6 +164,25 @@ def choose_num_warps(block_rows: int, kv_block_tokens: int, head_dim: int) -> in
     with 8, and head_dim 256 spills with 4 warps at 16 and 32 rows. 8 warps share the tiles;
     smaller tiles keep 4, which leaves more programs per multiprocessor."""
     return 8 if (block_rows + kv_block_tokens) * head_dim > 12288 else 4
+
+
+# Keys per inner step where Triton makes the dots tensor-core MMA (sm_80 and newer).
+MMA_KV_BLOCK_TOKENS = 64
+# ... and where it leaves them to FMA code (sm_75, sm_70), whose operands all sit in registers.
+FMA_KV_BLOCK_TOKENS = 16
+
+
+def choose_tiles(capability: int | None, head_dim: int) -> tuple[int, int | str]:
+    """(kv_block_tokens, num_warps) for a GPU of `capability` (None: unknown, taken as one
+    with tensor cores). Below sm_80 Triton compiles the two products to FMA code
+    (kernels/gpu_info.py), whose operands and accumulator live in registers: with the MMA
+    tiles (64 keys, 4 warps) triton 3.9 for sm_75 used 255 registers and spilled 608-1836
+    bytes per thread at Llama-8B's decode and prefill steps (sm_70: up to 14 KB); 16 keys over
+    8 warps spill nothing at SmolLM2's and Llama-8B's serving shapes (120-230 registers).
+    "auto" warps elsewhere: `choose_num_warps`."""
+    if capability is not None and capability < gpu_info.TRITON_MMA_MIN_CAPABILITY:
+        return FMA_KV_BLOCK_TOKENS, 8
+    return MMA_KV_BLOCK_TOKENS, "auto"
 
 
 def estimate_busy_blocks(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
@@ -369,15 +388,16 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[num_q_heads]: one more logit per head in the denominator
     block_rows: int | str = "auto",
-    kv_block_tokens: int = 64,
+    kv_block_tokens: int | str = "auto",
     num_kv_splits: int | str = "auto",
     num_warps: int | str = "auto",
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """The Pallas GPU kernel. `block_rows`: matrix rows per program (query tokens x heads of
-    one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step;
-    `num_warps` ("auto": `choose_num_warps`); `interpret=True` runs the same kernel on any
+    one KV head's group; "auto": `choose_block_rows`); `kv_block_tokens`: keys per inner step
+    ("auto": `choose_tiles`, by the GPU's compute capability); `num_warps` ("auto":
+    `choose_tiles`, then `choose_num_warps`); `interpret=True` runs the same kernel on any
     backend (tests on CPU). `sliding_window` and `sinks` are data: changing them compiles
     nothing."""
     check_inputs(q, kv_pages, metadata, sliding_window=sliding_window, sinks=sinks)
@@ -390,6 +410,11 @@ def ragged_paged_attention(
     group = _next_power_of_2(num_q_heads // num_kv_heads)
     if block_rows == "auto":
         block_rows = choose_block_rows(T, S, head_dim)
+    if kv_block_tokens == "auto" or num_warps == "auto":
+        # The GPU this traces for (under an abstract mesh from a CPU: none, so sm_80+ tiles).
+        tiles = choose_tiles(gpu_info.compute_capability(jax.devices()[0]), head_dim)
+        kv_block_tokens = tiles[0] if kv_block_tokens == "auto" else kv_block_tokens
+        num_warps = tiles[1] if num_warps == "auto" else num_warps
     block_q = max(1, block_rows // group)
     if num_warps == "auto":
         num_warps = choose_num_warps(block_q * group, kv_block_tokens, head_dim)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jaxlib.mlir import ir as jax_ir
 from jaxlib.triton import dialect as jax_triton_dialect
 
-from orca_jax.kernels import kv_quant
+from orca_jax.kernels import gpu_info, kv_quant
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu
 from orca_jax.kernels.metadata import AttentionMetadata
 
@@ -53,6 +53,8 @@ from orca_jax.kernels.metadata import AttentionMetadata
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 # GPUs that serving fleets run, by compute capability: Hopper (H100/H200) and Ampere (A100).
 SERVING_CAPABILITIES = (90, 80)
+# What Colab's free GPU (T4) and older clusters (V100) are: float16 and FMA-only Triton dots.
+PRE_AMPERE_CAPABILITIES = (75, 70)
 
 
 @dataclass(frozen=True)
@@ -286,19 +288,29 @@ def attention_kernel(shape: AttentionShape, num_tokens: int, num_seq_slots: int,
     return kernel
 
 
-def serving_report(shapes=SERVING_SHAPES, dtypes=("bfloat16", "float32"),
-                   capabilities=SERVING_CAPABILITIES) -> list[dict]:
-    """One row per (shape, step, dtype, target): the kernel's launch and what ptxas reports."""
+def serving_report(shapes=SERVING_SHAPES, dtypes=("bfloat16", "float16", "float32"),
+                   capabilities=SERVING_CAPABILITIES + PRE_AMPERE_CAPABILITIES) -> list[dict]:
+    """One row per (shape, step, dtype, target): the kernel's launch and what ptxas reports.
+    Pre-Ampere targets get float16 only (no bfloat16 there) and the tiles the kernel picks for
+    them (`ragged_paged_attention_gpu.choose_tiles`)."""
     rows = []
     for shape in shapes:
         for step, (T, S) in serving_steps(shape).items():
             for dtype in dtypes:
-                kernel = attention_kernel(shape, T, S, jnp.dtype(dtype))
                 for capability in capabilities:
+                    if capability < gpu_info.TRITON_MMA_MIN_CAPABILITY and dtype != "float16":
+                        continue
+                    kv_block_tokens, num_warps = gpu.choose_tiles(capability, shape.head_dim)
+                    kernel = _cached_kernel(shape, T, S, dtype, kv_block_tokens, num_warps)
                     report = compile_for_nvidia(kernel, capability)
                     rows.append(dict(shape=shape.name, step=step, dtype=dtype, grid=kernel.grid,
                                      num_warps=kernel.num_warps, **vars(report)))
     return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_kernel(shape, T, S, dtype, kv_block_tokens, num_warps) -> TritonKernel:
+    return attention_kernel(shape, T, S, jnp.dtype(dtype), kv_block_tokens=kv_block_tokens, num_warps=num_warps)
 
 
 def main() -> None:

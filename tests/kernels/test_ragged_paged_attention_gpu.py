@@ -10,6 +10,7 @@ Triton IR is built; test_ragged_paged_attention_gpu_compile.py takes it on to PT
 Tolerances against the oracle (computed from the inputs as rounded to their dtype):
   float32 inputs   rtol 1e-5, atol 1e-5
   bfloat16 inputs  rtol 2e-2, atol 2e-2 (P is rounded to bfloat16 before P @ V, as on GPUs)
+  float16 inputs   rtol 5e-3, atol 5e-3 (P rounded to float16: 8x finer than bfloat16)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from orca_jax.kernels import ragged_paged_attention_gpu as gpu
 from orca_jax.kernels.testing import CONFIGS, MIXES, assert_matches_oracle, make_case, random_mix
 from orca_jax.kernels.triton_compile import abstract_gpu_mesh
 
-TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
 
 def run_kernel(case, **kw):
@@ -108,6 +109,17 @@ def test_bfloat16(mix, window, cap):
     case = make_case(7, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
                      dtype=jnp.bfloat16)
     check(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=TOLERANCES["bfloat16"])
+
+
+@pytest.mark.parametrize("mix,window,cap,splits", [("mixed", None, None, 1), ("chunked", 50, 20.0, 1),
+                                                   ("decode", None, None, 3)])
+def test_float16(mix, window, cap, splits):
+    """The GPUs below sm_80 (T4, V100) run float16, with the tiles `choose_tiles` gives them."""
+    case = make_case(9, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                     dtype=jnp.float16)
+    kv_block_tokens, num_warps = gpu.choose_tiles(75, head_dim=128)
+    check(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=TOLERANCES["float16"],
+          num_kv_splits=splits, kv_block_tokens=kv_block_tokens, num_warps=num_warps)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7])

@@ -12,6 +12,10 @@ caches (int8, float8_e4m3fn; kernels/kv_quant.py) with bfloat16 queries must not
 on the A100 too, where Triton has no float8 conversion (the kernel decodes float8 bits with
 integer operations, so its Triton IR holds no float8 arithmetic). Nor may a sliding window
 given as data with attention sinks (gpt-oss's options).
+
+Below sm_80 (T4 sm_75, V100 sm_70) `dtype="auto"` is float16 and Triton compiles every dot to
+FMA code: its tensor-core path starts at sm_80 (kernels/gpu_info.py). There the kernel takes
+the tiles `choose_tiles` gives those GPUs, which must not spill; the MMA tiles would.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from orca_jax.kernels import ragged_paged_attention_gpu as gpu
 from orca_jax.kernels import triton_compile as tc
 
 # Shared memory one program may use (the opt-in maximum per block): A100 163 KiB, H100 227 KiB.
-SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+SHARED_MEMORY_LIMIT = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}
+PRE_AMPERE_CAPABILITIES = tc.PRE_AMPERE_CAPABILITIES  # T4, V100: float16, no Triton tensor-core dots
 SHAPES = {shape.name: shape for shape in tc.SERVING_SHAPES}
 SERVING_CASES = [(shape.name, step) for shape in tc.SERVING_SHAPES for step in tc.serving_steps(shape)]
 
@@ -130,6 +135,45 @@ def test_window_and_sinks_do_not_spill(step, capability):
     assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
     rows = 16 if step.startswith("decode") else 64
     assert report.matmul == ("wgmma" if capability == 90 and rows == 64 else "mma.sync")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_pre_ampere(shape_name: str, step: str, capability: int, tiles: str) -> tc.CompileReport:
+    """float16 for a pre-Ampere target with the tiles chosen for it ("fma") or the MMA ones."""
+    head_dim = SHAPES[shape_name].head_dim
+    kv_block_tokens, num_warps = gpu.choose_tiles(capability if tiles == "fma" else 90, head_dim)
+    kernel = lowered(shape_name, step, "float16", kv_block_tokens=kv_block_tokens, num_warps=num_warps)
+    report = tc.compile_for_nvidia(kernel, capability)
+    print(f"{shape_name} {step} float16 {tiles} tiles: {report}")
+    return report
+
+
+@pytest.mark.parametrize("capability", PRE_AMPERE_CAPABILITIES, ids=lambda c: f"sm{c}")
+@pytest.mark.parametrize("shape_name,step", SERVING_CASES, ids=[f"{n}-{s}" for n, s in SERVING_CASES])
+def test_float16_pre_ampere_serving_shapes_do_not_spill(shape_name, step, capability):
+    report = compiled_pre_ampere(shape_name, step, capability, "fma")
+    assert not report.spills, f"{shape_name} {step} spills registers on {report.arch}: {report}"
+    assert report.shared_memory <= SHARED_MEMORY_LIMIT[capability]
+    assert report.matmul == "fma", "Triton has no tensor-core dots below sm_80 (if it does now, retune)"
+
+
+@pytest.mark.parametrize("capability", PRE_AMPERE_CAPABILITIES, ids=lambda c: f"sm{c}")
+def test_pre_ampere_needs_its_own_tiles(capability):
+    """Why `choose_tiles` differs below sm_80: the MMA tiles spill there."""
+    report = compiled_pre_ampere("llama-8b", "prefill-4096", capability, "mma")
+    assert report.spills and report.matmul == "fma", report
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_float16_compiles_to_tensor_cores_from_sm80(capability):
+    report = compiled("llama-8b", "decode-256", "float16", capability)
+    assert not report.spills and report.matmul == "mma.sync", report
+
+
+def test_choose_tiles_by_capability():
+    assert gpu.choose_tiles(None, 128) == gpu.choose_tiles(90, 128) == (64, "auto")
+    assert gpu.choose_tiles(80, 64) == (64, "auto")
+    assert gpu.choose_tiles(75, 128) == gpu.choose_tiles(70, 64) == (16, 8)
 
 
 def test_spill_check_sees_spills():

@@ -10,6 +10,7 @@ Tolerances (against the float64 oracle, computed from the inputs as the kernel s
 i.e. after rounding to the input dtype):
   float32 inputs   rtol 1e-5, atol 1e-5
   bfloat16 inputs  rtol 2e-2, atol 2e-2 (output is rounded to bfloat16: ~4e-3 relative)
+  float16 inputs   rtol 5e-3, atol 5e-3 (output rounded to float16: ~5e-4 relative)
   float64 inputs   rtol 1e-12, atol 1e-12 (jax x64 enabled)
 """
 
@@ -27,7 +28,7 @@ from orca_jax.kernels import ragged_paged_attention, write_kv
 from orca_jax.kernels.testing import (CONFIGS, MIXES, all_padding_inputs, all_padding_metadata,
                                      assert_matches_oracle, build_batch_padding_case, make_case)
 
-TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-12}
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3, "float64": 1e-12}
 
 
 def run_and_compare(case, *, sm_scale, sliding_window=None, soft_cap=None, tol):
@@ -58,6 +59,14 @@ def test_bfloat16_matches_oracle(mix, window, cap):
     err = run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap,
                           tol=TOLERANCES["bfloat16"])
     print(f"bfloat16 max abs err {err:.3e}")
+
+
+@pytest.mark.parametrize("mix,window,cap", [("mixed", None, None), ("chunked", 50, 20.0)])
+def test_float16_matches_oracle(mix, window, cap):
+    """dtype="float16" (GPUs below sm_80, --dtype half): softmax in float32, output in float16."""
+    case = make_case(8, MIXES[mix], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=jnp.float16)
+    err = run_and_compare(case, sm_scale=0.125, sliding_window=window, soft_cap=cap, tol=TOLERANCES["float16"])
+    print(f"float16 max abs err {err:.3e}")
 
 
 @pytest.mark.parametrize("window,cap", [(None, None), (33, 4.0)])
@@ -114,7 +123,7 @@ def test_rows_do_not_depend_on_other_sequences():
 # write_kv
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 def test_write_kv_slots_and_padding(dtype):
     rng = np.random.default_rng(1)
     num_pages, ps, kvh, D = 6, 8, 2, 64

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import types
+
 import numpy as np
 import pytest
 
+from orca_jax.kernels import gpu_info
 from orca_jax.loading import dtype_policy
 from orca_jax.loading.dtype_policy import (CPU_AUTO_DTYPE, checkpoint_dtype, cpu_bfloat16_capable, resolve_dtype,
                                    resolve_model_dtype)
@@ -89,6 +92,55 @@ def test_model_files_are_read_only_where_the_answer_depends_on_them(tmp_path, mo
         resolve_model_dtype("auto", "tpu", tmp_path)
 
 
+@pytest.mark.parametrize("checkpoint,model_type,expected", [
+    ("bfloat16", "llama", "float16"), ("float16", "qwen3", "float16"), (None, None, "float16"),
+    ("float32", "llama", "float32"),  # a float32 checkpoint stays float32, as on every GPU
+    ("bfloat16", "gemma2", "float32"), ("bfloat16", "gemma3_text", "float32"),  # float16 would overflow
+])
+@pytest.mark.parametrize("capability", [75, 70])
+def test_auto_is_float16_below_sm80(capability, checkpoint, model_type, expected):
+    assert resolve_dtype("auto", "gpu", checkpoint, capability=capability, model_type=model_type) == expected
+    assert resolve_dtype("auto", "gpu", checkpoint, capability=80, model_type=model_type) == (
+        "float32" if checkpoint == "float32" else "bfloat16")
+    reason = dtype_policy.auto_dtype_reason(expected, "gpu", capability)
+    assert f"compute capability {capability // 10}.{capability % 10}" in reason and "no bfloat16" in reason
+
+
+def test_bfloat16_is_refused_below_sm80_naming_half():
+    with pytest.raises(ValueError, match=r"compute capability >= 8.0; this one is 7.5: use --dtype half"):
+        resolve_dtype("bfloat16", "gpu", None, capability=75)
+    assert resolve_dtype("bfloat16", "gpu", None, capability=86) == "bfloat16"
+    assert resolve_dtype("bfloat16", "gpu", None, capability=None) == "bfloat16"  # unknown: not refused
+    assert resolve_dtype("float16", "gpu", None, capability=75) == "float16"
+
+
+@pytest.mark.parametrize("model_type", sorted(dtype_policy.FLOAT16_UNSTABLE))
+def test_float16_is_refused_for_models_that_overflow_it(model_type):
+    with pytest.raises(ValueError, match=f"float16 is not supported for {model_type}"):
+        dtype_policy.check_dtype_supported("float16", "cpu", model_type=model_type)
+    dtype_policy.check_dtype_supported("float16", "cpu", model_type="llama")
+
+
+def test_auto_below_sm80_reads_the_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "torch_dtype": "bfloat16"}))
+    assert dtype_policy.checkpoint_model_type(tmp_path) == "gemma2"
+    assert resolve_model_dtype("auto", "gpu", tmp_path, capability=75) == "float32"
+    assert resolve_model_dtype("auto", "gpu", tmp_path, capability=90) == "bfloat16"
+
+
+def test_gguf_model_type_is_its_architecture(tmp_path):
+    assert dtype_policy.checkpoint_model_type(_write_gguf(tmp_path / "m.gguf", "F16")) == "llama"
+
+
+@pytest.mark.parametrize("device,expected", [
+    (types.SimpleNamespace(platform="gpu", compute_capability="7.5"), 75),
+    (types.SimpleNamespace(platform="gpu", compute_capability="9.0"), 90),
+    (types.SimpleNamespace(platform="gpu"), None), (types.SimpleNamespace(platform="cpu"), None),
+])
+def test_compute_capability_of_a_device(device, expected):
+    assert gpu_info.compute_capability(device) == expected
+
+
 def test_bfloat16_capability_reads_the_cpu_flags():
     assert cpu_bfloat16_capable("flags : fpu sse avx512f avx512_bf16 amx_tile")
     assert cpu_bfloat16_capable("flags : fpu avx2 amx_bf16")
@@ -119,3 +171,12 @@ def test_half_is_float16_end_to_end_with_float32s_tokens(tiny_engine_factory, ru
     for half, full in zip(outs["half"].logprobs, outs["float32"].logprobs):
         token = next(iter(full))
         assert abs(half[token] - full[token]) < 1e-2
+
+
+def test_the_engine_refuses_float16_for_a_model_that_overflows_it(tiny_hf_model_factory):
+    from orca_jax.engine.engine import LLMEngine
+
+    directory = tiny_hf_model_factory("Gemma2Config", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="float16 is not supported for gemma2"):
+        LLMEngine(model=str(directory), dtype="float16", warmup=False, max_model_len=64, num_pages=16)
