@@ -49,6 +49,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax.kernels import quantization
 from orca_jax.kernels import grouped_mlp, packed4
+from orca_jax.kernels.lowering_target import target_backend
 from orca_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def expert_layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel
     else:
         layout = f"tensor-parallel, 1/{tp} of every expert's width on each device"
     logger.info("mixture of experts: %d experts, top-%d per token, grouped matmuls by %s; %s", model.num_experts,
-                model.num_experts_per_tok, grouped_mlp.resolve_impl("auto", jax.default_backend()), layout)
+                model.num_experts_per_tok, grouped_mlp.resolve_impl("auto", target_backend()), layout)
     return dataclasses.replace(model, expert_parallel=expert_parallel)
 
 

@@ -28,6 +28,7 @@ from orca_jax.kernels import ragged_paged_attention_cpu as cpu_kernel
 from orca_jax.kernels import ragged_paged_attention_gpu as gpu_kernel
 from orca_jax.kernels import ragged_paged_attention_tpu as tpu_kernel
 from orca_jax.kernels import reference
+from orca_jax.kernels.lowering_target import target_backend
 from orca_jax.kernels.metadata import AttentionMetadata
 from orca_jax.kernels.reference import write_kv
 
@@ -52,7 +53,7 @@ def _log_fallback_once(impl: str, reason: str) -> None:
 
 def _pallas_gpu(q, kv_pages, metadata, **kwargs):
     # Off a GPU the same kernel runs in Pallas' interpreter (tests).
-    return gpu_kernel.ragged_paged_attention(q, kv_pages, metadata, interpret=jax.default_backend() != "gpu",
+    return gpu_kernel.ragged_paged_attention(q, kv_pages, metadata, interpret=target_backend() != "gpu",
                                              **kwargs)
 
 

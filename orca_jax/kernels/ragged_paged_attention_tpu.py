@@ -63,15 +63,41 @@ def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, q_dty
 def block_sizes(q, kv_pages, page_table, tuned_lookup=None) -> tuple[int, int]:
     """(KV pages per block, queries per block) from jax's tuning table for this TPU.
 
-    `tuned_lookup` is jax's `get_tuned_block_sizes` (it reads the TPU version, so tests pass a
-    stand-in); its answer is clamped to this step's page-table width and token count."""
-    tuned_lookup = tuned_lookup or _tpu_ops().get_tuned_block_sizes
+    `tuned_lookup` is jax's `get_tuned_block_sizes` where this process runs on a TPU (it reads
+    the TPU's version from `jax.devices()`); lowered for a TPU from another host, the one the
+    abstract mesh names (`cross_host_tuned_lookup`). Tests pass a stand-in. The answer is
+    clamped to this step's page-table width and token count."""
+    if tuned_lookup is None:
+        on_tpu = jax.devices()[0].platform == "tpu"
+        tuned_lookup = _tpu_ops().get_tuned_block_sizes if on_tpu else cross_host_tuned_lookup
     T, num_q_heads, head_dim = q.shape
     _, page_size, two_kv_heads, _ = kv_pages.shape
     pages_per_seq = page_table.shape[1]
     kv_pages_per_block, queries_per_block = tuned_lookup(
         q.dtype, kv_pages.dtype, num_q_heads, two_kv_heads // 2, head_dim, page_size, T, pages_per_seq)
     return max(1, min(kv_pages_per_block, pages_per_seq)), max(1, min(queries_per_block, T))
+
+
+# jax's untuned block sizes: its default, and v4's (which keeps within v4's smaller VMEM).
+DEFAULT_BLOCK_SIZES = (128, 32)
+TPU_V4_BLOCK_SIZES = (32, 32)
+
+
+def cross_host_tuned_lookup(q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size,
+                            num_tokens, pages_per_seq) -> tuple[int, int]:
+    """jax's tuning-table lookup for the TPU of the abstract mesh being lowered under
+    (`jax.sharding.use_abstract_mesh` with an abstract TPU device: a TPU program built on a
+    CPU host). jax's own lookup reads `jax.devices()`, which is this host's CPU. Without an
+    abstract TPU the defaults stand (what jax itself uses for untuned shapes)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    kind = getattr(device, "device_kind", "") if getattr(device, "platform", None) == "tpu" else ""
+    if kind.startswith("TPU v4"):
+        return TPU_V4_BLOCK_SIZES
+    table_module = _tpu_ops().tuned_block_sizes
+    table = getattr(table_module, "TUNED_BLOCK_SIZES", {}).get(" ".join(kind.split()[:2]), {})
+    key = table_module.simplify_key((q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size,
+                                     num_tokens, pages_per_seq))
+    return table.get(key, DEFAULT_BLOCK_SIZES)
 
 
 def ragged_paged_attention(

@@ -42,6 +42,7 @@ from orca_jax.distributed import parallel
 from orca_jax.config import ModelConfig
 from orca_jax.kernels import grouped_mlp, packed4
 from orca_jax.kernels.packed4 import PackedWeight
+from orca_jax.kernels.lowering_target import target_backend
 from orca_jax.models.layers import GatedMLP, activation
 
 
@@ -237,7 +238,7 @@ class SparseMoE(nn.Module):
     @nn.nowrap
     def _routed(self, x, weights, experts, num_tokens, expert_weights: ExpertWeights):
         c = self.config
-        impl = grouped_mlp.resolve_impl("auto", jax.default_backend())
+        impl = grouped_mlp.resolve_impl("auto", target_backend())
         routed = functools.partial(routed_experts, glu=expert_glu(c), impl=impl)
         if self.mesh is None:
             return routed(x, weights, experts, num_tokens, expert_weights)

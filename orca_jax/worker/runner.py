@@ -127,11 +127,9 @@ class ModelRunner(RunnerBase):
         start = time.perf_counter()
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
-        logits_rows = config.logits_rows if config.num_speculative_tokens else None
         # Prompt log-probabilities on one device (a sharded model would gather [T, V] logits).
         self.prompt_logprobs = mesh is None
-        step = functools.partial(model_step, self.model, config.max_logprobs, keep_logits, config.page_size,
-                                 logits_rows, self.prompt_logprobs)
+        step = self.step_function(self.model, keep_logits)
         donated = ("kv_cache", "state")
         self._exports = None  # the step's serialized exports (step_export.py): one device, one process
         if mesh is None:
@@ -149,6 +147,13 @@ class ModelRunner(RunnerBase):
         self._init_step_numbers()
         self._programs: dict[int, jax.stages.Compiled] = {}
         self._neutral_fields: dict[tuple[int, str], jax.Array] = {}  # with_placed_neutral_fields
+
+    def step_function(self, model: nn.Module, keep_logits: bool = False):
+        """`model_step` with this runner's static parts: (params, kv_cache, state, inputs) ->
+        (kv_cache, state, SampleOutput). Also what `cross_lowering` lowers for other platforms."""
+        logits_rows = self.config.logits_rows if self.config.num_speculative_tokens else None
+        return functools.partial(model_step, model, self.config.max_logprobs, keep_logits, self.config.page_size,
+                                 logits_rows, self.prompt_logprobs)
 
     def _program_key(self, attention_impl: str, keep_logits: bool) -> dict:
         """What fixes the step besides its arguments' shapes (step_export.program_key adds those,

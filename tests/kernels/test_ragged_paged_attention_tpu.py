@@ -67,6 +67,8 @@ class _RecordingTpuOps:
 def test_served_shapes_go_to_jax_kernel_with_our_arrays_unchanged(monkeypatch):
     ops = _RecordingTpuOps()
     monkeypatch.setattr(tpu, "_tpu_ops", lambda: ops)
+    # Off a TPU (this CPU) the block sizes come from the lookup for an abstract TPU.
+    monkeypatch.setattr(tpu, "cross_host_tuned_lookup", ops.get_tuned_block_sizes)
     case = make_case(0, MIXES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
     m = case.metadata
     tpu.ragged_paged_attention(case.q, case.kv_pages, m, sm_scale=0.1, sliding_window=64, soft_cap=30.0)
