@@ -17,12 +17,6 @@ import jax
 _BACKEND_OF_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}
 
 
-def target_device():
-    """The abstract device being lowered for, else this host's first device."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device if getattr(device, "platform", None) else jax.devices()[0]
-
-
 def target_backend() -> str:
     """"cpu", "gpu" or "tpu": the backend the traced program will run on."""
     device = jax.sharding.get_abstract_mesh().abstract_device

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from orca_jax.kernels.triton_compile import TRITON_CUSTOM_CALL
 from orca_jax.models import architecture
 from orca_jax.worker.batch_state import empty_step_inputs
 
@@ -52,7 +53,7 @@ TPU_V5E = Target("tpu", "TPU v5 lite", "pallas_tpu")
 TPU_V6E = Target("tpu", "TPU v6 lite", "pallas_tpu")
 H100 = Target("cuda", "NVIDIA H100", "pallas_gpu")
 # The custom calls the targets' attention kernels lower to.
-KERNEL_CALLS = {"pallas_tpu": "tpu_custom_call", "pallas_gpu": "__gpu$xla.gpu.triton"}
+KERNEL_CALLS = {"pallas_tpu": "tpu_custom_call", "pallas_gpu": TRITON_CUSTOM_CALL}
 
 
 def abstract_mesh(target: Target, mesh: jax.sharding.Mesh | None) -> jax.sharding.AbstractMesh:
