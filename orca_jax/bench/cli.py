@@ -115,6 +115,10 @@ def _offline_options(p: argparse.ArgumentParser) -> None:
     setting("--page-size", "orca_jax tokens per KV page", type=positive_int)
     setting("--async-scheduling", "orca_jax overlaps the host's work with the device's",
                 action=argparse.BooleanOptionalAction)
+    p.add_argument("-dp", dest="data_parallel_size", type=positive_int, default=argparse.SUPPRESS,
+                   help="short for --data-parallel-size")
+    setting("--data-parallel-size", "orca_jax replicas, one per device (on CPU set XLA_FLAGS="
+                "--xla_force_host_platform_device_count=N first)", type=positive_int)
     setting("--peers", "comma-separated peers, run in this order after orca_jax: static (transformers' "
                 "generate), continuous (transformers' continuous batching), vllm (vLLM's CPU build, its default "
                 "OpenMP threads), vllm_bind (vLLM with its OpenMP threads bound to --vllm-omp-bind)", type=names)

@@ -45,6 +45,9 @@ class OfflineSettings:
     matmul_size: int = 2048
     matmul_repeats: int = 5
     async_scheduling: bool = True  # orca_jax's overlapped steps (False: one step at a time)
+    # orca_jax replicas (each on its own device; on CPU force devices with
+    # XLA_FLAGS=--xla_force_host_platform_device_count=N before the start)
+    data_parallel_size: int = 1
     vllm_python: str | None = None  # None: $ORCA_JAX_VLLM_PYTHON, then found (vllm_peer.find_vllm_python)
     vllm_omp_bind: str | None = None  # the vllm_bind peer's cores; None: all this process may use
     vllm_timeout_s: float = 1800.0  # per vLLM peer: engine start, warm-up and the run
@@ -74,7 +77,8 @@ def start_orca(s: OfflineSettings) -> dict[str, Any]:
     from orca_jax.entrypoints.llm import LLM
 
     engine_args = dict(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                       dtype=s.dtype, page_size=s.page_size, async_scheduling=s.async_scheduling)
+                       dtype=s.dtype, page_size=s.page_size, async_scheduling=s.async_scheduling,
+                       data_parallel_size=s.data_parallel_size)
     if s.max_model_len is not None:
         engine_args["max_model_len"] = s.max_model_len
     rss_before = environment.current_rss_bytes()  # imports only, nothing loaded yet
@@ -90,16 +94,19 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
     from orca_jax.worker.compile_guard import compile_count
     from orca_jax.core.kv_cache import kv_bytes_per_page
 
-    engine = llm.engine
-    start = time.perf_counter()  # untimed warm-up through the whole host path
-    llm.generate([trace.prompts[0][:8]], greedy_no_eos(2), use_tqdm=False)
+    engine, replicas = llm.engine, llm.replicas
+    start = time.perf_counter()  # untimed warm-up through the whole host path, of every replica
+    llm.generate([trace.prompts[0][:8]] * len(replicas), greedy_no_eos(2), use_tqdm=False)
     warmup_generate_s = time.perf_counter() - start
 
-    compiles, steps = compile_count(), engine.num_steps
+    def total_steps() -> int:
+        return sum(e.num_steps for e in replicas)
+
+    compiles, steps = compile_count(), total_steps()
     start = time.perf_counter()
     outputs = llm.generate(trace.prompts, [greedy_no_eos(o) for o in trace.output_lens], use_tqdm=False)
     wall_s = time.perf_counter() - start
-    compiles, steps = compile_count() - compiles, engine.num_steps - steps
+    compiles, steps = compile_count() - compiles, total_steps() - steps
 
     for i, (out, want) in enumerate(zip(outputs, trace.output_lens)):
         if out.error is not None:
@@ -107,8 +114,8 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
         if len(out.token_ids) != want or out.finish_reason != "length":
             raise BenchmarkError(f"orca_jax request {i} produced {len(out.token_ids)} tokens "
                                  f"({out.finish_reason!r}), expected {want}")
-    if engine.allocator.num_used:
-        raise BenchmarkError(f"orca_jax left {engine.allocator.num_used} KV pages in use after the run")
+    if leaked := sum(e.allocator.num_used for e in replicas):
+        raise BenchmarkError(f"orca_jax left {leaked} KV pages in use after the run")
     if compiles:
         logger.warning("orca_jax compiled %d XLA program(s) during the timed run", compiles)
     weight_bytes = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(engine.runner.params))
@@ -120,7 +127,7 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
         weight_bytes=weight_bytes, kv_cache_bytes=kv_bytes, num_kv_pages=engine.runner.num_pages,
         page_size=engine.config.page_size, max_model_len=engine.config.max_model_len,
         token_buckets=list(engine.config.token_buckets), dtype=engine.config.dtype,
-        attention_impl=engine.attention_impl,
+        attention_impl=engine.attention_impl, data_parallel_size=len(replicas),
     )
 
 

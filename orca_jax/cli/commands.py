@@ -31,7 +31,8 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients send for the
 # override a --config preset; EngineConfig supplies the defaults when neither sets a value.
 # dest -> EngineConfig field: the flag names are vLLM's, the same as the fields.
 ENGINE_FLAGS = ("model", "tokenizer", "revision", "generation_config", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                "attention_impl", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                "enable_expert_parallel",
                 "page_size", "num_pages", "gpu_memory_utilization",
                 "scheduling", "async_scheduling", "enable_prefix_caching", "compilation_cache_dir",
                 "model_cache_dir", "speculative_config", "max_logprobs")
@@ -89,6 +90,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="pipeline stages: the layers split over this many groups of --tensor-parallel-size "
                              "devices, one batch in flight per stage, as Orca (default: "
                              f"{EngineConfig.pipeline_parallel_size})")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                        help="replicas of the whole engine in this process, each on its own --tensor-parallel-size x "
+                             "--pipeline-parallel-size devices with its own KV cache; requests go to the least "
+                             "loaded, or to the one holding their prompt prefix when loads are close "
+                             f"(serve and bench offline; default: {EngineConfig.data_parallel_size})")
     parser.add_argument("--enable-expert-parallel", default=None, action=argparse.BooleanOptionalAction,
                         help="mixture-of-experts models: each of the --tensor-parallel-size devices holds whole "
                              "experts instead of a slice of every expert (default: off)")
@@ -173,7 +179,11 @@ def cmd_generate(args) -> int:
     #   token 4.4 s vs 5.8 s warm, 29 s vs 43 s cold, the rest of 8 tokens no slower (same tokens
     #   either way: tests/engine/test_async_scheduling.py).
     defaults = {"max_num_seqs": min(args.n, EngineConfig.max_num_seqs), "async_scheduling": False}
-    engine = LLMEngine(_engine_config(args, defaults), warmup=False)
+    config = _engine_config(args, defaults)
+    if config.data_parallel_size > 1:
+        raise ValueError(f"--data-parallel-size {config.data_parallel_size}: generate runs one prompt on one "
+                         "engine; replicas serve many requests (orca-jax serve, bench offline, LLM)")
+    engine = LLMEngine(config, warmup=False)
     prompt = args.prompt
     if args.chat:
         prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
@@ -210,7 +220,7 @@ def _served_model_name(args, config: EngineConfig) -> str:
 def cmd_serve(args) -> int:
     from orca_jax.worker import multihost
     from orca_jax.engine.engine import LLMEngine
-    from orca_jax.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, serve
+    from orca_jax.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
     if args.max_waiting_requests is None:
         args.max_waiting_requests = DEFAULT_MAX_WAITING_REQUESTS
@@ -220,6 +230,8 @@ def cmd_serve(args) -> int:
     if multihost.wants_distributed(args.coordinator_address, args.num_processes):
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     config = _engine_config(args)
+    if config.data_parallel_size > 1:
+        return _serve_replicas(args, config)
     if multihost.is_follower():
         # No server, no scheduler: run the leader's steps on this host's devices until it stops.
         engine = LLMEngine(config, warmup=False)
@@ -231,6 +243,32 @@ def cmd_serve(args) -> int:
     # what serving allocates (vLLM freezes its heap the same way).
     gc.collect()
     gc.freeze()
+    try:
+        _serve(args, config, engine)
+    finally:
+        engine.shutdown()  # multi-host: the followers leave their loop and exit with us
+    return 0
+
+
+def _serve_replicas(args, config: EngineConfig) -> int:
+    """--data-parallel-size N: this process's replicas behind one server (with jax.distributed,
+    each host serves its own share on its own port; nothing crosses hosts)."""
+    from orca_jax.engine.replicas import build_replicas
+
+    engines = build_replicas(config)  # one warm-up for all before the port opens
+    gc.collect()
+    gc.freeze()
+    try:
+        _serve(args, config, engines)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    return 0
+
+
+def _serve(args, config: EngineConfig, engine) -> None:
+    from orca_jax.entrypoints.server import ServerSettings, serve
+
     settings = ServerSettings(
         model_name=_served_model_name(args, config), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
@@ -244,13 +282,9 @@ def cmd_serve(args) -> int:
     )
     logger.info("serving %r at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)",
                 settings.model_name, args.host, args.port)
-    try:
-        serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
-              log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout,
-              ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
-    finally:
-        engine.shutdown()  # multi-host: the followers leave their loop and exit with us
-    return 0
+    serve(engine, settings, host=args.host, port=args.port, max_waiting_requests=args.max_waiting_requests,
+          log_level=args.log_level.lower(), graceful_shutdown_s=args.graceful_shutdown_timeout,
+          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
 
 
 def cmd_convert(args) -> int:

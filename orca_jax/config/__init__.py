@@ -240,6 +240,11 @@ class EngineConfig:
     # tensor_parallel_size devices; up to this many batches are in flight, one per stage, and a
     # sequence in an in-flight batch is not scheduled again until its batch returns.
     pipeline_parallel_size: int = 1
+    # Replicas of the whole engine in one process (vLLM's --data-parallel-size), each on its own
+    # tensor_parallel_size x pipeline_parallel_size devices with its own KV cache and scheduler;
+    # requests are routed between them (orca_jax.engine.replicas, orca_jax.engine.router). One
+    # LLMEngine is one replica: it takes a config whose data_parallel_size is 1.
+    data_parallel_size: int = 1
     # Mixture-of-experts models (vLLM's flag): each of the tensor_parallel_size devices holds
     # whole experts (num_experts / tensor_parallel_size of them) instead of a slice of every
     # expert. The attention stays tensor-parallel on the same devices.
@@ -291,7 +296,7 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             errors.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
-                     "pipeline_parallel_size", "min_token_bucket"):
+                     "pipeline_parallel_size", "data_parallel_size", "min_token_bucket"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:

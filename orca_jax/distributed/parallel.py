@@ -88,8 +88,10 @@ KV_HEADS = "kv_heads"  # the axis that `repeat_kv_heads` repeats
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     """A 1-D mesh of `tensor_parallel_size` devices named "model".
 
-    With several processes (multi-host) the mesh must span every device of every process:
-    all of them run each step, and there is no data-parallel axis to put spare ones on."""
+    With several processes (multi-host) the mesh of the one engine must span every device of
+    every process: all of them run each step. Given `devices` (a data-parallel replica's, all
+    of this process), the mesh is theirs alone."""
+    whole_world = devices is None
     devices = list(devices) if devices is not None else jax.devices()
     if tensor_parallel_size > len(devices):
         raise ValueError(
@@ -97,7 +99,7 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
             f"but JAX sees {len(devices)} ({devices[0].platform}); on CPU, force more with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size}"
         )
-    if jax.process_count() > 1 and tensor_parallel_size != len(devices):
+    if jax.process_count() > 1 and whole_world and tensor_parallel_size != len(devices):
         raise ValueError(
             f"with {jax.process_count()} processes, tensor_parallel_size must equal the number of "
             f"devices of all processes ({len(devices)}), got {tensor_parallel_size}"
@@ -325,6 +327,14 @@ def place_params(params: dict, shardings: dict, dtype) -> dict:
 
 def _put_sharded(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def is_process_local(mesh: Mesh | None) -> bool:
+    """True when this process owns every device of `mesh` (one device, a replica's mesh), so
+    no other process takes part in its programs."""
+    if mesh is None:
+        return jax.process_count() == 1
+    return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

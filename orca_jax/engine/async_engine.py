@@ -94,6 +94,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, on_abort: Callable[[str], None], output_kind: str = "cumulative"):
         self.request_id = request_id
+        self.replica = 0  # the data-parallel replica that runs it (orca_jax.engine.data_parallel)
         self.finished = False
         self._on_abort = on_abort
         self._merge_deltas = output_kind == "delta"
@@ -271,6 +272,15 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests handed to this engine and not finished (queued, waiting or running), counted
+        from the moment add_requests takes them: a data-parallel router's load (event loop thread)."""
+        return len(self._streams)
+
+    def has_live_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     # ---- delivery (event loop thread) --------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

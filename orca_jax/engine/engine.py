@@ -99,12 +99,20 @@ class LLMEngine:
     `EngineRunner` the engine steps (default: the compiled model, `ModelRunner`, or with
     pipeline_parallel_size > 1 its stages, `orca_jax.worker.pipeline.PipelineRunner`). Tests pass
     `functools.partial(ModelRunner, keep_logits=True)` to see each step's logits in
-    `last_step.output`, or a wrapper to observe or fail batches."""
+    `last_step.output`, or a wrapper to observe or fail batches.
+
+    `devices`: the devices of this engine when it is one data-parallel replica of several
+    (`orca_jax.engine.replicas`): its mesh is made of them alone, even of one device, and it
+    talks to no other process. None: the first tensor x pipeline devices, as always."""
 
     def __init__(self, config: EngineConfig | None = None, *, warmup: bool = True,
-                 make_runner: Callable[..., EngineRunner] | None = None, **overrides):
+                 make_runner: Callable[..., EngineRunner] | None = None, devices=None, **overrides):
         started = time.perf_counter()
         config = config or EngineConfig(**overrides)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: one LLMEngine is one replica; "
+                             "build the replicas with orca_jax.engine.replicas.build_replicas (LLM and serve do)")
+        self.devices = list(devices) if devices is not None else None
         configure_for_process(config.compilation_cache_dir or None)
         config = _resolve_auto_dtype(config)
         loaded = load_model(config.model, dtype=config.dtype, cache_dir=config.model_cache_dir,
@@ -123,14 +131,17 @@ class LLMEngine:
         # process 0 (this engine's scheduler) hands every batch to the others.
         mesh = None
         pipelined = self.config.pipeline_parallel_size > 1
+        # A replica's devices are all this process's, so no other process runs its steps.
+        spans_processes = jax.process_count() > 1 and self.devices is None
         if pipelined:  # a stage x model mesh; each stage a row (orca_jax/worker/pipeline.py)
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
-            mesh = make_pipeline_mesh(self.config.pipeline_parallel_size, self.config.tensor_parallel_size)
-        elif self.config.tensor_parallel_size > 1 or jax.process_count() > 1:
+            mesh = make_pipeline_mesh(self.config.pipeline_parallel_size, self.config.tensor_parallel_size,
+                                      self.devices)
+        elif self.config.tensor_parallel_size > 1 or spans_processes or self.devices is not None:
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
-            mesh = parallel.make_mesh(self.config.tensor_parallel_size)
+            mesh = parallel.make_mesh(self.config.tensor_parallel_size, self.devices)
         make_runner = make_runner or (PipelineRunner if pipelined else ModelRunner)
-        self.channel = multihost.StepChannel(self.config) if multihost.is_leader_of_many() else None
+        self.channel = multihost.StepChannel(self.config) if spans_processes and multihost.is_leader_of_many() else None
         if self.channel is not None:
             # However the leader's program ends, release the followers (they would otherwise
             # wait in their next collective until jax.distributed's heartbeat gives up).
@@ -172,20 +183,27 @@ class LLMEngine:
             "engine_init_s": time.perf_counter() - loaded_at,
         }
         self._log_settings()
+        self.replica_index = 0  # which data-parallel replica this engine is (orca_jax.engine.replicas)
         if warmup:
-            report = self.runner.warmup()
-            if self.speculation is not None:
-                draft = self.speculation.warmup()
-                if draft is not None:
-                    report = dataclasses.replace(report, seconds=report.seconds + draft.seconds,
-                                                 counts=report.counts + draft.counts)
-            self.startup_timings.update(warmup_s=report.seconds, warmup_programs=report.counts.programs,
-                                        warmup_cache_hits=report.counts.cache_hits)
+            self.warmup()
         self.startup_timings["startup_s"] = time.perf_counter() - started
         self.ready_at = time.monotonic()  # the clock of RequestOutput's arrival and first-token times
         logger.info("engine ready in %.1f s: %s", self.startup_timings["startup_s"], ", ".join(
             f"{name.removesuffix('_s')} {seconds:.2f} s" for name, seconds in self.startup_timings.items()
             if name.endswith("_s") and name != "startup_s"))
+
+    def warmup(self):
+        """Build every step program (the target's, and a draft model's) before serving; what the
+        constructor does unless warmup=False. Returns the runner's WarmupReport."""
+        report = self.runner.warmup()
+        if self.speculation is not None:
+            draft = self.speculation.warmup()
+            if draft is not None:
+                report = dataclasses.replace(report, seconds=report.seconds + draft.seconds,
+                                             counts=report.counts + draft.counts)
+        self.startup_timings.update(warmup_s=report.seconds, warmup_programs=report.counts.programs,
+                                    warmup_cache_hits=report.counts.cache_hits)
+        return report
 
     def _make_speculation(self) -> Speculation | None:
         spec = self.config.speculative_config
@@ -197,7 +215,8 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         if spec.method == "ngram":
             return Speculation(spec, NgramSequenceProposer(spec), overlap)
-        proposer = DraftModelProposer(self.config, spec.model, self.attention_impl, self.runner.num_pages)
+        proposer = DraftModelProposer(self.config, spec.model, self.attention_impl, self.runner.num_pages,
+                                      mesh=self.runner.mesh if self.devices is not None else None)
         logger.info("speculative decoding: draft model %s (%s, %d layers), %d draft tokens per step",
                     proposer.source, proposer.model_config.model_type, proposer.model_config.num_layers,
                     spec.num_speculative_tokens)

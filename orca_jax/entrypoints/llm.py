@@ -3,14 +3,20 @@
 `generate` returns each request's final output and nothing else, so it asks the engine for
 "final_only" outputs (as vLLM's LLM does): the engine builds one output per request, at its
 finish, instead of one per request per step.
+
+With data_parallel_size > 1 it holds that many engines (`orca_jax.engine.replicas`), routes each
+prompt as the server does (`orca_jax.engine.router`) and steps every replica on its own thread
+until its prompts are done, so the replicas' device work overlaps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Sequence as SequenceABC
+from concurrent.futures import ThreadPoolExecutor
 
 from tqdm.auto import tqdm
 
@@ -18,6 +24,8 @@ from orca_jax.entrypoints.chat_template import apply_chat_template
 from orca_jax.config import EngineConfig
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.engine.outputs import RequestOutput
+from orca_jax.engine.replicas import build_replicas
+from orca_jax.engine.router import PrefixAffinityRouter, default_slack
 from orca_jax.core.sampling_params import SamplingParams
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids":
@@ -36,7 +44,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        self.replicas = build_replicas(config) if config.data_parallel_size > 1 else [LLMEngine(config)]
+        self.engine = self.replicas[0]  # what the replicas share: tokenizer, configs, defaults
+        self._router = PrefixAffinityRouter(len(self.replicas), self.engine.config.page_size,
+                                            slack=default_slack(self.engine.config.max_num_seqs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -58,18 +70,22 @@ class LLM:
         prompt order."""
         prompts = _as_prompt_list(prompts)
         params = _final_only(_as_params_list(sampling_params, len(prompts), self.engine))
-        request_ids = []
+        owners: dict[str, LLMEngine] = {}  # request id -> the replica that runs it, in prompt order
+        loads = [0] * len(self.replicas)
         try:
             for prompt, p in zip(prompts, params):
                 request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p)
-                request_ids.append(request_id)
-            return self._run(request_ids, use_tqdm)
+                replica = self._router.route(prompt, loads).replica if len(self.replicas) > 1 else 0
+                self.replicas[replica].add_request(request_id, prompt, p)
+                owners[request_id] = self.replicas[replica]
+                loads[replica] += 1
+            return self._run(owners, use_tqdm)
         except BaseException:
-            for request_id in request_ids:  # leave the engine clean for the next call
-                self.engine.abort(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            for request_id, engine in owners.items():  # leave every engine clean for the next call
+                engine.abort(request_id)
+            for engine in self.replicas:
+                while engine.has_unfinished_requests():
+                    engine.step()
             raise
 
     def chat(
@@ -103,26 +119,56 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""
-        return self.engine.reset_prefix_cache()
+        return all([engine.reset_prefix_cache() for engine in self.replicas])
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        start, generated = time.perf_counter(), 0
-        while pending:
-            for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    pending.discard(output.request_id)
-                    finished[output.request_id] = output
-                    # Tokens are counted as their requests finish (vLLM's bar does the same):
-                    # the engine reports nothing per step for final_only requests.
-                    generated += sum(len(c.token_ids) for c in output.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
-                                        refresh=False)
-        bar.close()
-        return [finished[r] for r in request_ids]
+    def _run(self, owners: dict[str, LLMEngine], use_tqdm: bool) -> list[RequestOutput]:
+        progress = _Progress(len(owners), use_tqdm)
+        by_engine: dict[int, tuple[LLMEngine, set[str]]] = {}
+        for request_id, engine in owners.items():
+            by_engine.setdefault(id(engine), (engine, set()))[1].add(request_id)
+        jobs = list(by_engine.values())
+        if len(jobs) == 1:
+            finished = _drain(*jobs[0], progress)
+        else:  # one thread per replica: JAX releases the GIL while a step runs on the device
+            with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="replica") as pool:
+                finished = {}
+                for part in pool.map(lambda job: _drain(*job, progress), jobs):
+                    finished.update(part)
+        progress.close()
+        return [finished[r] for r in owners]
+
+
+class _Progress:
+    """The bar over every replica's finished requests (updated from their threads)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = tqdm(total=total, desc="Processed prompts", disable=not enabled, dynamic_ncols=True)
+        self._lock = threading.Lock()
+        self._start, self._generated = time.perf_counter(), 0
+
+    def finished(self, output: RequestOutput) -> None:
+        with self._lock:
+            # Tokens are counted as their requests finish (vLLM's bar does the same): the engine
+            # reports nothing per step for final_only requests.
+            self._generated += sum(len(c.token_ids) for c in output.outputs)
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"{self._generated / max(time.perf_counter() - self._start, 1e-9):.1f} tok/s",
+                                      refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _drain(engine: LLMEngine, request_ids: set[str], progress: _Progress) -> dict[str, RequestOutput]:
+    """Step `engine` until every one of `request_ids` finished; their final outputs."""
+    pending, finished = set(request_ids), {}
+    while pending:
+        for output in engine.step():
+            if output.finished and output.request_id in pending:
+                pending.discard(output.request_id)
+                finished[output.request_id] = output
+                progress.finished(output)
+    return finished
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

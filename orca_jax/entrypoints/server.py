@@ -35,6 +35,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_jax.engine.async_engine import AsyncLLMEngine
+from orca_jax.engine.data_parallel import DataParallelAsyncEngine
+from orca_jax.engine.router import PrefixAffinityRouter, default_slack
 from orca_jax.engine.engine import LLMEngine
 from orca_jax.entrypoints.metrics import ServerMetrics
 from orca_jax.entrypoints.openai_serving import EventStream, OpenAIServing
@@ -191,7 +193,8 @@ def create_app(async_engine: AsyncLLMEngine, settings: ServerSettings, metrics: 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine.grammars.prepare_in_background()
+        for replica in getattr(async_engine, "replicas", [async_engine]):
+            replica.engine.grammars.prepare_in_background()
         async_engine.start(asyncio.get_running_loop())
         try:
             yield
@@ -352,12 +355,13 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(engine: LLMEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine: LLMEngine | list[LLMEngine], settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
           max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS, log_level: str = "info",
           graceful_shutdown_s: float = 10.0, ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
           root_path: str = "") -> None:
     """Serve until SIGINT/SIGTERM. Blocks. `ssl_keyfile` / `ssl_certfile`: HTTPS; `root_path`:
-    the path prefix a proxy in front serves the app under."""
+    the path prefix a proxy in front serves the app under. A list of engines: data-parallel
+    replicas (`orca_jax.engine.replicas.build_replicas`), served as one."""
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     async_engine, app = build_app(engine, settings, max_waiting_requests)
@@ -367,9 +371,23 @@ def serve(engine: LLMEngine, settings: ServerSettings, *, host: str = "127.0.0.1
     _Server(config, async_engine).run()
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings,
-              max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> tuple[AsyncLLMEngine, FastAPI]:
-    """Wire an engine, its background thread, metrics and the app together."""
-    metrics = ServerMetrics(lambda: async_engine.stats())
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests, on_output=metrics.observe)
+def build_app(engine: LLMEngine | list[LLMEngine], settings: ServerSettings,
+              max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+              ) -> tuple[AsyncLLMEngine | DataParallelAsyncEngine, FastAPI]:
+    """Wire an engine (or data-parallel replicas: a list of engines), the background thread of
+    each, metrics and the app together. With replicas, max_waiting_requests bounds each one's
+    queue, and the engine-state metrics carry a `replica` label."""
+    engines = engine if isinstance(engine, list) else [engine]
+    if len(engines) == 1:
+        metrics = ServerMetrics(lambda: async_engine.stats())
+        async_engine = AsyncLLMEngine(engines[0], max_waiting_requests=max_waiting_requests,
+                                      on_output=metrics.observe)
+        return async_engine, create_app(async_engine, settings, metrics)
+    metrics = ServerMetrics(lambda: dict(zip(async_engine.replica_indices, async_engine.replica_stats())),
+                            routed=lambda: dict(async_engine.routed))
+    replicas = [AsyncLLMEngine(e, max_waiting_requests=max_waiting_requests, on_output=metrics.observe)
+                for e in engines]
+    config = engines[0].config
+    router = PrefixAffinityRouter(len(engines), config.page_size, slack=default_slack(config.max_num_seqs))
+    async_engine = DataParallelAsyncEngine(replicas, router)
     return async_engine, create_app(async_engine, settings, metrics)

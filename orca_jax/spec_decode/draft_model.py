@@ -52,8 +52,11 @@ class _Shadow:
 
 
 class DraftModelProposer:
-    def __init__(self, target_config: EngineConfig, model: str | None, attention_impl: str, num_pages: int):
-        if target_config.tensor_parallel_size > 1 or jax.process_count() > 1:
+    def __init__(self, target_config: EngineConfig, model: str | None, attention_impl: str, num_pages: int,
+                 mesh=None):
+        """`mesh`: a data-parallel replica's one-device mesh, so the draft runs beside its
+        target (None: the default device)."""
+        if target_config.tensor_parallel_size > 1 or (jax.process_count() > 1 and mesh is None):
             raise ValueError("speculative_config method 'draft_model' runs on one device of one process: "
                              "tensor_parallel_size must be 1 and jax.distributed not started")
         loaded = load_model(model or target_config.model, dtype=target_config.dtype,
@@ -70,7 +73,7 @@ class DraftModelProposer:
             enable_expert_parallel=False,  # one device: nothing to split (and the draft may be dense)
         ).resolve(loaded.config)
         params, loaded.params = loaded.params, None
-        self.runner = ModelRunner(loaded.config, config, params, attention_impl)
+        self.runner = ModelRunner(loaded.config, config, params, attention_impl, mesh)
         self.config = self.runner.config
         self.target_vocab_size = target_config.vocab_size
         self.allocator = PageAllocator(self.runner.num_pages, config.page_size)

@@ -212,7 +212,7 @@ class PipelineRunner(RunnerBase):
         largest = max(self.stages, key=lambda stage: len(stage.layers))
         self.num_pages = choose_num_pages(config, largest.model_config, self.kv_dtype,
                                           device=largest.mesh.devices.flat[0], num_shards=tp)
-        if jax.process_count() > 1:
+        if not parallel.is_process_local(self.mesh):
             # Each process sized the pool from its own stages and memory; the leader's page
             # tables index every stage's cache, so all take the leader's count (as ModelRunner).
             self.num_pages = int(multihost_utils.broadcast_one_to_all(np.int32(self.num_pages)))
@@ -228,7 +228,7 @@ class PipelineRunner(RunnerBase):
         self._init_step_numbers()
         logger.info("pipeline: %d stages x %d devices (mesh %s), layers per stage %s", num_stages, tp,
                     dict(self.mesh.shape), [len(r) for r in ranges])
-        if jax.process_count() > 1:
+        if not parallel.is_process_local(self.mesh):
             logger.info("pipeline: process %d of %d holds stages %s (stages' processes %s); links %s",
                         jax.process_index(), jax.process_count(), [stage.index for stage in self.stages],
                         self.stage_process, [(link.src, link.dst) for link in self.links.values()])
@@ -284,7 +284,7 @@ class PipelineRunner(RunnerBase):
         if not isinstance(params, dict):
             why_not = ("the stages do not divide the layers" if model_config.num_layers % num_stages
                        else "KV heads are repeated over the devices" if repeats > 1
-                       else "the stages span processes" if jax.process_count() > 1 else None)
+                       else "the stages span processes" if not parallel.is_process_local(self.mesh) else None)
             if why_not is None:
                 holders = {key: [s for s in range(num_stages) if stage_holds(key, s == 0, s == num_stages - 1, tied)]
                            for key in nn.unbox(abstract_variables(model_config))["params"] if key != "layers"}

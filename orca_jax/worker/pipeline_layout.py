@@ -32,6 +32,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 
 def make_pipeline_mesh(pipeline_parallel_size: int, tensor_parallel_size: int, devices=None) -> Mesh:
     """The stage x model mesh: row s is stage s's devices, `tensor_parallel_size` of them."""
+    whole_world = devices is None  # else a data-parallel replica's devices, all of this process
     devices = list(devices) if devices is not None else jax.devices()
     needed = pipeline_parallel_size * tensor_parallel_size
     if needed > len(devices):
@@ -39,7 +40,7 @@ def make_pipeline_mesh(pipeline_parallel_size: int, tensor_parallel_size: int, d
             f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
             f"{needed} devices, but JAX sees {len(devices)} ({devices[0].platform}); on CPU, force more with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and whole_world:
         # Multi-host: every device runs a stage (no data-parallel axis for spare ones), and each
         # row is one process's devices (in process order), so that a stage never spans hosts.
         if needed != len(devices):

@@ -115,9 +115,10 @@ class ModelRunner(RunnerBase):
         # The penalty counts scale with the vocabulary (63 MB at 257 slots, V = 49152): held
         # while the pool is sized from free memory, so the pool leaves room for them.
         reserved = create_token_counts(config, self.model_config.vocab_size, self.state_sharding)
-        self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype, num_shards=tp)
+        self.num_pages = choose_num_pages(config, self.model_config, self.kv_dtype,
+                                          device=mesh.devices.flat[0] if mesh is not None else None, num_shards=tp)
         del reserved
-        if jax.process_count() > 1:
+        if not parallel.is_process_local(mesh):
             # Each process sized the pool from its own free memory; the leader's page tables
             # index every process's cache, so all take the leader's count.
             self.num_pages = int(multihost_utils.broadcast_one_to_all(np.int32(self.num_pages)))
@@ -127,8 +128,9 @@ class ModelRunner(RunnerBase):
         start = time.perf_counter()
         self.reset_kv_cache()
         self.timings["kv_cache_alloc_s"] = time.perf_counter() - start
-        # Prompt log-probabilities on one device (a sharded model would gather [T, V] logits).
-        self.prompt_logprobs = mesh is None
+        # Prompt log-probabilities on one device (a sharded model would gather [T, V] logits);
+        # a data-parallel replica of one device has a mesh of one.
+        self.prompt_logprobs = mesh is None or mesh.devices.size == 1
         step = self.step_function(self.model, keep_logits)
         donated = ("kv_cache", "state")
         self._exports = None  # the step's serialized exports (step_export.py): one device, one process

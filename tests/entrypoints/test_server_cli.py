@@ -25,12 +25,12 @@ MODEL = "tiny"
 class ServerProcess:
     """`python -m orca_jax.cli serve ... --port 0`; the port is read from uvicorn's log line."""
 
-    def __init__(self, model_dir: Path, *extra: str):
+    def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None):
         command = [sys.executable, "-m", "orca_jax.cli", "--log-level", "INFO", "serve", "--model", str(model_dir),
                    "--served-model-name", MODEL, "--port", "0", "--max-num-seqs", "2",
                    "--max-num-batched-tokens", "16", "--page-size", "8", "--num-pages", "160",
                    "--max-model-len", "512", *extra]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("ORCA_JAX_API_KEY", None)
         self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -130,16 +130,24 @@ def read_stream(url: str, results: list, index: int, first_chunk: threading.Even
         results[index] = f"error: {type(exc).__name__}"
 
 
-def wait_for_gauges(url: str, running: int, waiting: int, timeout: float = 30) -> None:
+def wait_for_gauges(url: str, running, waiting, timeout: float = 30) -> None:
+    """Until the gauges read `running` and `waiting`: numbers, or with data-parallel replicas
+    lists of one number per replica (their `replica` labels in order)."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(f"{url}/metrics").text
-        now = {name: float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+        now = {name: _gauge(text, name, per_replica=isinstance(running, list))
                for name in ("orca_num_requests_running", "orca_num_requests_waiting")}
         if now == {"orca_num_requests_running": running, "orca_num_requests_waiting": waiting}:
             return
         assert time.monotonic() < deadline, f"gauges never reached running={running} waiting={waiting}: {now}"
         time.sleep(0.02)
+
+
+def _gauge(text: str, name: str, per_replica: bool):
+    if not per_replica:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+    return [float(v) for v in re.findall(rf'^{name}{{replica="\d+"}} (\S+)$', text, re.M)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -162,6 +170,31 @@ def test_signal_aborts_live_streams_and_exits_cleanly(tiny_llama_dir, sig):
             reader.join(30)
         assert code == 0, "".join(process.log[-20:])
         assert time.monotonic() - started < 15
+        assert results == ["abort"] * len(results), results
+    finally:
+        process.stop()
+
+
+def test_data_parallel_server_spreads_streams_and_stops_every_replica_on_sigterm(tiny_llama_dir):
+    """`serve -dp 2` on 2 forced host devices: four long streams run two on each replica (none
+    waits), /metrics labels each replica, and SIGTERM aborts all four and exits 0."""
+    process = ServerProcess(tiny_llama_dir, "--api-key", KEY, "-dp", "2",
+                            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    try:
+        assert any("data parallelism: 2 replicas" in line for line in process.log), "".join(process.log[-20:])
+        results: list = [None] * 4
+        first_chunk = threading.Event()
+        readers = [threading.Thread(target=read_stream, args=(process.url, results, i, first_chunk))
+                   for i in range(len(results))]
+        for reader in readers:
+            reader.start()
+        assert first_chunk.wait(60), "no stream started"
+        wait_for_gauges(process.url, running=[2, 2], waiting=[0, 0])
+        process.proc.send_signal(signal.SIGTERM)
+        code = process.proc.wait(30)
+        for reader in readers:
+            reader.join(30)
+        assert code == 0, "".join(process.log[-20:])
         assert results == ["abort"] * len(results), results
     finally:
         process.stop()

@@ -36,12 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_process(model: str, process_id: int, coordinator: str, http_port: int, log) -> subprocess.Popen:
+def start_process(model: str, process_id: int, coordinator: str, http_port: int, log,
+                  layout: tuple[str, ...] = ("--tensor-parallel-size", "2"), devices: int = 1) -> subprocess.Popen:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     cmd = [sys.executable, "-m", "orca_jax.cli", "--log-level", "INFO", "serve", "--model", model,
-           "--tensor-parallel-size", "2", *flags, "--coordinator-address", coordinator,
+           *layout, *flags, "--coordinator-address", coordinator,
            "--num-processes", "2", "--process-id", str(process_id), "--port", str(http_port)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -104,6 +107,38 @@ def test_two_processes_serve_like_one_and_stop_together(tiny_llama_dir, tmp_path
         assert codes == [0, 0], f"{_tail(logs[0])}\n{_tail(logs[1])}"
         follower_log = _tail(logs[1])
         assert "process 1 of 2" in follower_log and "stop received" in follower_log
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+
+def test_data_parallel_hosts_each_serve_their_own_replicas(tiny_llama_dir, tmp_path):
+    """`-dp 4` over two processes of 2 devices: each host serves replicas of its own (0-1 and
+    2-3) on its own port, with one process's outputs; each stops on its own SIGTERM."""
+    model = str(tiny_llama_dir)
+    coordinator, ports = f"127.0.0.1:{free_port()}", [free_port(), free_port()]
+    logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
+    processes = [start_process(model, i, coordinator, ports[i], logs[i], ("--data-parallel-size", "4"), devices=2)
+                 for i in range(2)]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            wait_healthy(url, processes, logs)
+        expected = one_process_texts(model)
+        for url in urls:
+            with ThreadPoolExecutor(len(REQUESTS)) as pool:
+                assert list(pool.map(lambda r: complete(url, model, *r), REQUESTS)) == expected
+        metrics = [httpx.get(f"{url}/metrics").text for url in urls]
+        assert 'orca_engine_steps_total{replica="1"}' in metrics[0] and 'replica="2"' not in metrics[0]
+        assert 'orca_engine_steps_total{replica="3"}' in metrics[1] and 'replica="0"' not in metrics[1]
+        for p in processes:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in processes]
+        assert codes == [0, 0], f"{_tail(logs[0])}\n{_tail(logs[1])}"
     finally:
         for p in processes:
             if p.poll() is None:
