@@ -91,3 +91,24 @@ def test_missing_torch_is_a_clear_error(monkeypatch):
 def _kv_bytes_per_page(directory: Path, page_size: int) -> int:
     cfg = json.loads((directory / "config.json").read_text())
     return cfg["num_hidden_layers"] * page_size * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+
+
+@pytest.mark.parametrize("flag", ["-dp", "--data-parallel-size"])
+def test_data_parallel_size_reaches_the_offline_settings(flag):
+    from orca_jax.bench.arguments import settings_from_args
+
+    args = cli.build_parser().parse_args(["bench", "offline", "--skip-peers", flag, "2"])
+    assert settings_from_args(OfflineSettings(), args).data_parallel_size == 2
+    default = cli.build_parser().parse_args(["bench", "offline"])
+    assert settings_from_args(OfflineSettings(), default).data_parallel_size == 1
+
+
+def test_serve_and_generate_take_the_data_parallel_flag():
+    from orca_jax.cli.commands import _engine_config, cmd_generate
+
+    args = cli.build_parser().parse_args(["serve", "-dp", "4", "-tp", "2"])
+    config = _engine_config(args)
+    assert (config.data_parallel_size, config.tensor_parallel_size) == (4, 2)
+    generate = cli.build_parser().parse_args(["generate", "hello", "-dp", "2"])
+    with pytest.raises(ValueError, match="generate runs one prompt on one engine"):
+        cmd_generate(generate)  # refused before any model loads
