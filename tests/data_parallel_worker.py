@@ -56,7 +56,49 @@ def tokens_run(model_dir: str) -> dict:
                                     else None for e in llm.replicas],
             "pages_in_use": [e.allocator.num_used for e in llm.replicas],
         }
+        if name == "dp4":
+            results["dp4_failures"] = failure_checks(llm, batch)
     return results
+
+
+def failure_checks(llm: LLM, batch: list[list[int]]) -> dict:
+    """A bad prompt among good ones, then a replica whose step fails mid-run: generate raises,
+    every replica is left with nothing live and no page held, and the next call works."""
+    from orca_jax.errors import RequestError
+
+    result = {}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    bad = batch[:5] + [[10**9]] + batch[5:]  # a token id past the vocabulary
+    try:
+        llm.generate(bad, params, use_tqdm=False)
+        result["bad_prompt"] = "accepted"
+    except RequestError as exc:
+        result["bad_prompt"] = f"RequestError: {exc}"
+    result["after_bad_prompt"] = _leftovers(llm)
+    victim, calls = llm.replicas[2], []
+    real_step = victim.step
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    victim.step = failing_step
+    try:
+        llm.generate(batch, params, use_tqdm=False)
+        result["step_failure"] = "not raised"
+    except RuntimeError as exc:
+        result["step_failure"] = str(exc)
+    victim.step = real_step
+    result["after_step_failure"] = _leftovers(llm)
+    again = llm.generate(batch, [sampling(i) for i in range(len(batch))], use_tqdm=False)
+    result["tokens_after"] = [list(o.outputs[0].token_ids) for o in again]
+    return result
+
+
+def _leftovers(llm: LLM) -> list[tuple[bool, int]]:
+    return [(e.has_unfinished_requests(), e.allocator.num_used) for e in llm.replicas]
 
 
 async def serve_checks(model_dir: str) -> dict:

@@ -96,7 +96,7 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
 
     engine, replicas = llm.engine, llm.replicas
     start = time.perf_counter()  # untimed warm-up through the whole host path, of every replica
-    llm.generate([trace.prompts[0][:8]] * len(replicas), greedy_no_eos(2), use_tqdm=False)
+    llm.generate([p[:8] for p in trace.prompts[:len(replicas)]], greedy_no_eos(2), use_tqdm=False)
     warmup_generate_s = time.perf_counter() - start
 
     def total_steps() -> int:
@@ -118,9 +118,10 @@ def run_orca(llm, trace: Trace) -> dict[str, Any]:
         raise BenchmarkError(f"orca_jax left {leaked} KV pages in use after the run")
     if compiles:
         logger.warning("orca_jax compiled %d XLA program(s) during the timed run", compiles)
-    weight_bytes = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(engine.runner.params))
-    kv_bytes = engine.runner.num_pages * kv_bytes_per_page(engine.model_config, engine.config.page_size,
-                                                           engine.runner.kv_dtype)
+    # Every replica's: each holds its own weights and pool.
+    weight_bytes = len(replicas) * sum(int(leaf.nbytes) for leaf in jax.tree.leaves(engine.runner.params))
+    kv_bytes = len(replicas) * engine.runner.num_pages * kv_bytes_per_page(
+        engine.model_config, engine.config.page_size, engine.runner.kv_dtype)
     return system_result(
         SYSTEM_NAMES["orca"], trace, wall_s, trace.useful_processed_tokens, 0,
         warmup_generate_s=warmup_generate_s, engine_steps=steps, xla_compiles_during_run=compiles,
@@ -253,6 +254,11 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _replicas(orca: dict) -> str:
+    dp = orca.get("data_parallel_size", 1)
+    return f"{dp} replicas x " if dp > 1 else ""
+
+
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
 
@@ -282,7 +288,7 @@ def format_report(result: dict[str, Any]) -> str:
         + f" GFLOP/s (using {mm['best']}); workload {result['flops']['total'] / 1e9:.1f} GFLOP -> ideal "
         f"{roof['ideal_seconds']:.2f} s, {roof['useful_output_tokens_per_s']:.1f} useful output tok/s",
         f"memory: orca_jax weights {_gib(mem['orca_weight_bytes'])} + KV cache {_gib(mem['orca_kv_cache_bytes'])} "
-        f"({orca['num_kv_pages']} pages x {orca['page_size']} tokens); peak RSS after orca_jax "
+        f"({_replicas(orca)}{orca['num_kv_pages']} pages x {orca['page_size']} tokens); peak RSS after orca_jax "
         f"{_gib(mem['peak_rss_after_orca_bytes'])}, process peak {_gib(mem['peak_rss_bytes'])}",
     ]
     lines += _vllm_lines(result)

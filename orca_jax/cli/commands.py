@@ -349,7 +349,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=f"the model name clients send (default: the MODEL argument as given, or "
                              f"{DEFAULT_SERVED_MODEL_NAME!r} for the embedded default)")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="queued requests before new ones get 503 with Retry-After (default: the server's, 4096)")
+                        help="queued requests before new ones get 503 with Retry-After; with --data-parallel-size, per "
+                             "replica (default: the server's, 4096)")
     parser.add_argument("--max-request-bytes", type=int, default=None,
                         help="larger request bodies get 413 (default: the server's, 1 MiB)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",

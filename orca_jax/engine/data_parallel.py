@@ -88,6 +88,7 @@ class DataParallelAsyncEngine:
                 if attempt == len(order) - 1:
                     raise
                 continue
+            self.router.record(route, r)
             self.routed[(self.replica_indices[r], route.reason if r == route.replica else "queue_full")] += len(requests)
             for stream in streams:
                 stream.replica = self.replica_indices[r]

@@ -14,7 +14,10 @@ of a compile. On CPU and TPU the key holds the devices, so the replicas compile 
 threads (XLA releases the GIL while it compiles).
 
 Across hosts (jax.distributed): each process serves its own replicas on its own devices, so the
-replicas of process p are numbered from p x (its local replica count); nothing crosses hosts.
+replicas of process p are numbered from p x (its local replica count); no request or step
+crosses hosts. The hosts still share jax.distributed's coordination service (on process 0):
+start-up waits for all of them, and losing process 0 ends the others after its heartbeat
+timeout, so they are one job, not independent servers.
 """
 
 from __future__ import annotations
@@ -62,22 +65,30 @@ def replica_device_groups(config: EngineConfig, devices=None) -> list[list]:
     return [devices[r * size:(r + 1) * size] for r in range(count)]
 
 
-def first_replica_index() -> int:
-    """The global index of this process's first replica (0 on one host)."""
-    return jax.process_index()
+def replica_index_offset(local_count: int) -> int:
+    """The global index of this process's first replica (0 on one host): process p serves
+    replicas p x local_count onwards."""
+    return jax.process_index() * local_count
 
 
 def build_replicas(config: EngineConfig, *, warmup: bool = True, devices=None, **engine_kwargs) -> list[LLMEngine]:
-    """This process's replicas, warmed up once (replica 0 compiles, the others load its programs
-    from the compilation cache, together). Each is an LLMEngine of data_parallel_size 1 on its
-    own devices; `engine_kwargs` go to every one (make_runner, in tests)."""
+    """This process's replicas, warmed up once (see the module's docstring). Each is an
+    LLMEngine of data_parallel_size 1 on its own devices; `engine_kwargs` go to every one
+    (make_runner, in tests).
+
+    Every replica takes replica 0's KV pool size: pools sized from each device's own free
+    memory could differ by a page, and with them the cache's shape (so the programs, which
+    could then not be shared) and possibly max_model_len, which the server checks prompts
+    against once for all replicas."""
     groups = replica_device_groups(config, devices)
     replica_config = dataclasses.replace(config, data_parallel_size=1)
     started = time.perf_counter()
-    engines = []
+    engines: list[LLMEngine] = []
     for r, group in enumerate(groups):
+        if engines:
+            replica_config = dataclasses.replace(replica_config, num_pages=engines[0].runner.num_pages)
         engine = LLMEngine(replica_config, warmup=False, devices=group, **engine_kwargs)
-        engine.replica_index = first_replica_index() * len(groups) + r
+        engine.replica_index = replica_index_offset(len(groups)) + r
         engines.append(engine)
     built = time.perf_counter()
     if warmup:
@@ -107,4 +118,5 @@ def _cache_serves_other_devices() -> bool:
     """Whether a program compiled for one replica's devices is a cache hit for another's: jax
     leaves the device assignment out of the cache key on GPUs only (for multi-process runs), so
     on CPU and TPU each replica compiles its own, all at once."""
-    return jax.default_backend() == "gpu" and active_cache_dir() is not None
+    # jax writes cache entries from process 0 only: another host's replicas compile their own.
+    return jax.default_backend() == "gpu" and active_cache_dir() is not None and jax.process_index() == 0

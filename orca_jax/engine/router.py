@@ -33,6 +33,7 @@ class Route:
     replica: int
     reason: str  # "least_loaded" or "prefix"
     matched_pages: int  # leading pages of the prompt the chosen replica was sent before
+    pages: tuple[bytes, ...] = ()  # the prompt's page hashes, for `record`
 
 
 class PrefixAffinityRouter:
@@ -49,20 +50,26 @@ class PrefixAffinityRouter:
 
     def route(self, prompt, loads: Sequence[int]) -> Route:
         """Choose a replica for `prompt` (any of LLMEngine.add_request's forms) given each one's
-        load, and remember that its prefix went there."""
+        load. Nothing is remembered until the caller says where the request went (`record`):
+        a replica that refuses it (a full queue, a bad prompt) never holds its prefix."""
         if len(loads) != self.num_replicas:
             raise ValueError(f"{len(loads)} loads for {self.num_replicas} replicas")
-        pages = self.page_hashes(prompt)
+        pages = tuple(self.page_hashes(prompt))
         matched = self._matched_pages(pages)
         least = self._least_loaded(loads)
         # The longest match, the lighter of equals; taken only when it is about as light.
         holder = max(range(self.num_replicas), key=lambda r: (matched[r], -loads[r]))
         if matched[holder] > 0 and loads[holder] - loads[least] <= self.slack:
-            route = Route(holder, "prefix", matched[holder])
-        else:
-            route = Route(least, "least_loaded", matched[least])
-        self._remember(pages, route.replica)
-        return route
+            return Route(holder, "prefix", matched[holder], pages)
+        return Route(least, "least_loaded", matched[least], pages)
+
+    def record(self, route: Route, replica: int | None = None) -> None:
+        """The request of `route` was taken by `replica` (default: the one routed to)."""
+        self._remember(route.pages, route.replica if replica is None else replica)
+
+    def reset(self) -> None:
+        """Forget every prefix (the replicas' caches were reset)."""
+        self._holders.clear()
 
     def page_hashes(self, prompt) -> list[bytes]:
         """The chained hashes of the prompt's full pages (token ids), or of its full blocks of
@@ -84,7 +91,7 @@ class PrefixAffinityRouter:
             hashes.append(hash_page(hashes[-1] if hashes else None, units[start:start + block], salt))
         return hashes
 
-    def _matched_pages(self, pages: list[bytes]) -> list[int]:
+    def _matched_pages(self, pages: Sequence[bytes]) -> list[int]:
         """Per replica, how many leading pages of `pages` were routed to it."""
         matched = [0] * self.num_replicas
         alive = set(range(self.num_replicas))
@@ -103,7 +110,7 @@ class PrefixAffinityRouter:
         self._next = (chosen + 1) % self.num_replicas
         return chosen
 
-    def _remember(self, pages: list[bytes], replica: int) -> None:
+    def _remember(self, pages: Sequence[bytes], replica: int) -> None:
         for page in pages:
             self._holders.setdefault(page, set()).add(replica)
             self._holders.move_to_end(page)

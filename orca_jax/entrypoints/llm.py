@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from tqdm.auto import tqdm
 
@@ -75,10 +75,11 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = f"llm-{next(self._ids)}"
-                replica = self._router.route(prompt, loads).replica if len(self.replicas) > 1 else 0
-                self.replicas[replica].add_request(request_id, prompt, p)
-                owners[request_id] = self.replicas[replica]
-                loads[replica] += 1
+                route = self._router.route(prompt, loads)
+                self.replicas[route.replica].add_request(request_id, prompt, p)
+                self._router.record(route)
+                owners[request_id] = self.replicas[route.replica]
+                loads[route.replica] += 1
             return self._run(owners, use_tqdm)
         except BaseException:
             for request_id, engine in owners.items():  # leave every engine clean for the next call
@@ -119,6 +120,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name; after changing the weights)."""
+        self._router.reset()
         return all([engine.reset_prefix_cache() for engine in self.replicas])
 
     def _run(self, owners: dict[str, LLMEngine], use_tqdm: bool) -> list[RequestOutput]:
@@ -127,14 +129,25 @@ class LLM:
         for request_id, engine in owners.items():
             by_engine.setdefault(id(engine), (engine, set()))[1].add(request_id)
         jobs = list(by_engine.values())
-        if len(jobs) == 1:
-            finished = _drain(*jobs[0], progress)
-        else:  # one thread per replica: JAX releases the GIL while a step runs on the device
-            with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="replica") as pool:
-                finished = {}
-                for part in pool.map(lambda job: _drain(*job, progress), jobs):
-                    finished.update(part)
-        progress.close()
+        stop = threading.Event()  # set when one replica fails or the caller is interrupted
+        finished: dict[str, RequestOutput] = {}
+        try:
+            if len(jobs) == 1:
+                finished = _drain(*jobs[0], progress, stop)
+            else:  # one thread per replica: JAX releases the GIL while a step runs on the device
+                with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="replica") as pool:
+                    futures = [pool.submit(_drain, engine, ids, progress, stop) for engine, ids in jobs]
+                    try:
+                        wait(futures, return_when=FIRST_EXCEPTION)  # a failure stops the others at once
+                        for future in futures:
+                            finished.update(future.result())
+                    except BaseException:
+                        # The others stop at their next step, so that generate's cleanup (on
+                        # this thread) is the only one touching the engines.
+                        stop.set()
+                        raise
+        finally:
+            progress.close()
         return [finished[r] for r in owners]
 
 
@@ -159,10 +172,12 @@ class _Progress:
         self._bar.close()
 
 
-def _drain(engine: LLMEngine, request_ids: set[str], progress: _Progress) -> dict[str, RequestOutput]:
-    """Step `engine` until every one of `request_ids` finished; their final outputs."""
+def _drain(engine: LLMEngine, request_ids: set[str], progress: _Progress,
+           stop: threading.Event) -> dict[str, RequestOutput]:
+    """Step `engine` until every one of `request_ids` finished (their final outputs), or until
+    `stop` is set."""
     pending, finished = set(request_ids), {}
-    while pending:
+    while pending and not stop.is_set():
         for output in engine.step():
             if output.finished and output.request_id in pending:
                 pending.discard(output.request_id)

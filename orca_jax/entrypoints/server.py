@@ -377,12 +377,11 @@ def build_app(engine: LLMEngine | list[LLMEngine], settings: ServerSettings,
     """Wire an engine (or data-parallel replicas: a list of engines), the background thread of
     each, metrics and the app together. With replicas, max_waiting_requests bounds each one's
     queue, and the engine-state metrics carry a `replica` label."""
-    engines = engine if isinstance(engine, list) else [engine]
-    if len(engines) == 1:
+    if not isinstance(engine, list):
         metrics = ServerMetrics(lambda: async_engine.stats())
-        async_engine = AsyncLLMEngine(engines[0], max_waiting_requests=max_waiting_requests,
-                                      on_output=metrics.observe)
+        async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests, on_output=metrics.observe)
         return async_engine, create_app(async_engine, settings, metrics)
+    engines = engine  # replicas, even one (a host's share under jax.distributed): labelled metrics
     metrics = ServerMetrics(lambda: dict(zip(async_engine.replica_indices, async_engine.replica_stats())),
                             routed=lambda: dict(async_engine.routed))
     replicas = [AsyncLLMEngine(e, max_waiting_requests=max_waiting_requests, on_output=metrics.observe)

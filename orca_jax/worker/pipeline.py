@@ -179,11 +179,14 @@ class PipelineRunner(RunnerBase):
         self.mesh = mesh if mesh is not None else make_pipeline_mesh(num_stages, tp)
         self.num_stages = num_stages
         self.stage_process = stage_processes(self.mesh)
-        if 0 not in self.stage_process:
-            raise ValueError(f"no pipeline stage is on process 0 (stages' processes {self.stage_process}): the "
-                             "leader must hold one, to receive the last stage's output")
+        # The scheduling process: 0 for a pipeline across processes; this one for a data-parallel
+        # replica's, whose stages are all its own.
+        leader = jax.process_index() if parallel.is_process_local(self.mesh) else 0
+        if leader not in self.stage_process:
+            raise ValueError(f"no pipeline stage is on process {leader} (stages' processes {self.stage_process}): "
+                             "the leader must hold one, to receive the last stage's output")
         # The stage the last stage's output goes to: the leader's first (stage 0 on the default mesh).
-        self.leader_stage = self.stage_process.index(0)
+        self.leader_stage = self.stage_process.index(leader)
         self.channel = channel
         self.config = config
         self.dtype = jnp.dtype(config.dtype)

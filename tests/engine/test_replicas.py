@@ -34,6 +34,15 @@ def test_replicas_give_every_request_the_tokens_of_one_engine(token_runs, layout
     assert all(len(t) == 6 for t in token_runs["one"]["tokens"])
 
 
+def test_offline_failures_leave_every_replica_clean(token_runs):
+    failures = token_runs["dp4_failures"]
+    assert failures["bad_prompt"].startswith("RequestError")
+    assert failures["after_bad_prompt"] == [[False, 0]] * 4
+    assert failures["step_failure"] == "injected step failure"
+    assert failures["after_step_failure"] == [[False, 0]] * 4
+    assert failures["tokens_after"] == token_runs["one"]["tokens"]
+
+
 def test_each_replica_steps_on_its_own_devices(token_runs):
     assert token_runs["dp4"]["devices_per_replica"] == [[0], [1], [2], [3]]
     assert token_runs["dp2_tp2"]["devices_per_replica"] == [[0, 1], [2, 3]]

@@ -16,10 +16,17 @@ def router(n=3, slack=2, capacity=1000) -> PrefixAffinityRouter:
     return PrefixAffinityRouter(n, PAGE, slack=slack, capacity=capacity)
 
 
+def sent(r: PrefixAffinityRouter, prompt, loads):
+    """Route a request and record that its replica took it, as the server does."""
+    route = r.route(prompt, loads)
+    r.record(route)
+    return route
+
+
 def test_without_a_shared_prefix_the_least_loaded_replica_takes_it():
     r = router()
-    assert r.route(list(range(10)), [3, 1, 2]).replica == 1
-    assert r.route(list(range(100, 110)), [0, 5, 0]).reason == "least_loaded"
+    assert sent(r, list(range(10)), [3, 1, 2]).replica == 1
+    assert sent(r, list(range(100, 110)), [0, 5, 0]).reason == "least_loaded"
 
 
 def test_equal_loads_rotate_so_a_burst_spreads():
@@ -27,7 +34,7 @@ def test_equal_loads_rotate_so_a_burst_spreads():
     loads = [0, 0, 0]
     chosen = []
     for i in range(6):
-        replica = r.route([1000 + i] * 9, loads).replica  # distinct prompts: no affinity
+        replica = sent(r, [1000 + i] * 9, loads).replica  # distinct prompts: no affinity
         loads[replica] += 1
         chosen.append(replica)
     assert sorted(chosen) == [0, 0, 1, 1, 2, 2] and loads == [2, 2, 2]
@@ -36,33 +43,45 @@ def test_equal_loads_rotate_so_a_burst_spreads():
 def test_a_prefix_goes_back_to_its_replica_while_loads_are_close():
     r = router(slack=2)
     prefix = list(range(12))  # 3 full pages
-    first = r.route(prefix + [50], [0, 0, 0])
+    first = sent(r, prefix + [50], [0, 0, 0])
     loads = [0, 0, 0]
     loads[first.replica] = 2  # within the slack
-    again = r.route(prefix + [60, 61], loads)
+    again = sent(r, prefix + [60, 61], loads)
     assert again.replica == first.replica and again.reason == "prefix" and again.matched_pages == 3
     loads = [0, 0, 0]
     loads[first.replica] = 3  # past the slack: balance wins
-    away = r.route(prefix + [70], loads)
+    away = sent(r, prefix + [70], loads)
     assert away.replica != first.replica and away.reason == "least_loaded"
 
 
 def test_the_longest_matching_prefix_wins():
     r = router(slack=10)
     base = list(range(8))
-    a = r.route(base + [90, 91, 92, 93], [0, 0, 0]).replica  # pages: base[0:4], base[4:8], [90..93]
-    b = r.route(base + [80, 81, 82, 83], [0 if i != a else 1 for i in range(3)]).replica  # 2 pages with a
-    assert r.route(base + [80, 81, 82, 83, 1], [0, 0, 0]).replica == b
-    assert r.route(base + [90, 91, 92, 93, 1], [0, 0, 0]).replica == a
+    a = sent(r, base + [90, 91, 92, 93], [0, 0, 0]).replica  # pages: base[0:4], base[4:8], [90..93]
+    b = sent(r, base + [80, 81, 82, 83], [0 if i != a else 1 for i in range(3)]).replica  # 2 pages with a
+    assert sent(r, base + [80, 81, 82, 83, 1], [0, 0, 0]).replica == b
+    assert sent(r, base + [90, 91, 92, 93, 1], [0, 0, 0]).replica == a
+
+
+def test_only_what_a_replica_took_is_remembered_and_reset_forgets_it():
+    r = router(slack=10)
+    prefix = list(range(8))
+    refused = r.route(prefix, [0, 0, 0])  # say its replica's queue was full: not recorded
+    assert r.route(prefix, [0, 0, 0]).matched_pages == 0
+    r.record(refused, replica=2)  # another replica took it instead
+    again = r.route(prefix + [9], [0, 0, 0])
+    assert (again.replica, again.reason, again.matched_pages) == (2, "prefix", 2)
+    r.reset()
+    assert r.route(prefix, [0, 0, 0]).matched_pages == 0
 
 
 def test_salts_and_partial_pages_do_not_match():
     r = router(slack=10)
     prefix = list(range(8))
-    first = r.route({"prompt_token_ids": prefix, "cache_salt": "tenant-a"}, [0, 0, 0])
-    other = r.route({"prompt_token_ids": prefix, "cache_salt": "tenant-b"}, [0, 0, 0])
+    first = sent(r, {"prompt_token_ids": prefix, "cache_salt": "tenant-a"}, [0, 0, 0])
+    other = sent(r, {"prompt_token_ids": prefix, "cache_salt": "tenant-b"}, [0, 0, 0])
     assert other.reason == "least_loaded" and other.replica != first.replica
-    assert r.route(prefix[:3], [0, 0, 0]).matched_pages == 0  # less than a page: nothing to share
+    assert sent(r, prefix[:3], [0, 0, 0]).matched_pages == 0  # less than a page: nothing to share
 
 
 def test_token_prompts_hash_like_the_engines_prefix_cache():
@@ -76,15 +95,15 @@ def test_token_prompts_hash_like_the_engines_prefix_cache():
 def test_a_malformed_prompt_routes_without_affinity_and_is_left_to_the_engine():
     r = router()
     assert r.page_hashes({"bogus": 1}) == [] and r.page_hashes([1.5, "a"]) == []
-    assert r.route({"bogus": 1}, [1, 0, 1]).replica == 1
+    assert sent(r, {"bogus": 1}, [1, 0, 1]).replica == 1
 
 
 def test_the_record_forgets_the_least_recently_routed_pages():
     r = router(n=2, slack=5, capacity=3)
-    r.route(list(range(8)), [0, 0])  # 2 pages
-    r.route(list(range(100, 108)), [0, 0])  # 2 more: the oldest page is dropped
+    sent(r, list(range(8)), [0, 0])  # 2 pages
+    sent(r, list(range(100, 108)), [0, 0])  # 2 more: the oldest page is dropped
     assert len(r._holders) == 3
-    assert r.route(list(range(8)), [0, 0]).matched_pages == 0  # its first page is gone
+    assert sent(r, list(range(8)), [0, 0]).matched_pages == 0  # its first page is gone
 
 
 @settings(max_examples=60, deadline=None)

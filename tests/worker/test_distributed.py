@@ -6,6 +6,7 @@ equal one process's, and SIGTERM to the leader must end both."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,14 +117,16 @@ def test_two_processes_serve_like_one_and_stop_together(tiny_llama_dir, tmp_path
             log.close()
 
 
-def test_data_parallel_hosts_each_serve_their_own_replicas(tiny_llama_dir, tmp_path):
-    """`-dp 4` over two processes of 2 devices: each host serves replicas of its own (0-1 and
-    2-3) on its own port, with one process's outputs; each stops on its own SIGTERM."""
+@pytest.mark.parametrize("layout,replicas", [(("--data-parallel-size", "4"), ([0, 1], [2, 3])),
+                                             (("-dp", "2", "-pp", "2"), ([0], [1]))], ids=["dp4", "dp2_pp2"])
+def test_data_parallel_hosts_each_serve_their_own_replicas(tiny_llama_dir, tmp_path, layout, replicas):
+    """Two processes of 2 devices: each host serves replicas of its own (`-dp 4`: 0-1 and 2-3;
+    `-dp 2 -pp 2`: one pipeline each, process 1's scheduled by process 1) on its own port, with
+    one process's outputs; each stops on its own SIGTERM."""
     model = str(tiny_llama_dir)
     coordinator, ports = f"127.0.0.1:{free_port()}", [free_port(), free_port()]
     logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
-    processes = [start_process(model, i, coordinator, ports[i], logs[i], ("--data-parallel-size", "4"), devices=2)
-                 for i in range(2)]
+    processes = [start_process(model, i, coordinator, ports[i], logs[i], layout, devices=2) for i in range(2)]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url in urls:
@@ -132,9 +135,10 @@ def test_data_parallel_hosts_each_serve_their_own_replicas(tiny_llama_dir, tmp_p
         for url in urls:
             with ThreadPoolExecutor(len(REQUESTS)) as pool:
                 assert list(pool.map(lambda r: complete(url, model, *r), REQUESTS)) == expected
-        metrics = [httpx.get(f"{url}/metrics").text for url in urls]
-        assert 'orca_engine_steps_total{replica="1"}' in metrics[0] and 'replica="2"' not in metrics[0]
-        assert 'orca_engine_steps_total{replica="3"}' in metrics[1] and 'replica="0"' not in metrics[1]
+        for url, own in zip(urls, replicas):
+            labelled = set(re.findall(r'^orca_engine_steps_total{replica="(\d+)"}', httpx.get(f"{url}/metrics").text,
+                                      re.M))
+            assert labelled == {str(r) for r in own}
         for p in processes:
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in processes]
