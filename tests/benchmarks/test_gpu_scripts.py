@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 @pytest.mark.parametrize("name,argv", [("kernel_bench", ["--quick"]), ("step_bench", []),
-                                       ("gpu_engine_check", ["--out", "/dev/null"])])
+                                       ("gpu_engine_check", ["--out", "/dev/null"]),
+                                       ("feature_check", ["--json", "/dev/null"])])
 def test_refuses_without_a_gpu(name, argv, capsys, load_benchmark):
     module = load_benchmark(name)
     with pytest.raises(SystemExit) as exit_info:
