@@ -77,11 +77,11 @@ def random_params(config, seed: int = 0) -> dict:
 
 def byte_tokenizer():
     """The byte-level tokenizer orca_jax.bench.random_model writes, loaded back."""
-    from orca_jax.bench.random_model import _write_byte_tokenizer
+    from orca_jax.bench.random_model import write_byte_tokenizer
     from orca_jax.loading.loader import load_tokenizer_from
 
     with tempfile.TemporaryDirectory() as tmp:
-        _write_byte_tokenizer(Path(tmp))
+        write_byte_tokenizer(Path(tmp))
         return load_tokenizer_from(tmp)
 
 

@@ -66,13 +66,13 @@ def write_random_checkpoint(directory: Path, config: dict, dtype: str, seed: int
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config))
     if tokenizer is None:
-        _write_byte_tokenizer(directory)
+        write_byte_tokenizer(directory)
     else:
         tokenizer.save_pretrained(directory)
     return directory
 
 
-def _write_byte_tokenizer(directory: Path) -> None:
+def write_byte_tokenizer(directory: Path) -> None:
     """A byte-level BPE with no merges: enough to detokenize whatever ids the model emits."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
