@@ -85,13 +85,13 @@ KV_HEADS = "kv_heads"  # the axis that `repeat_kv_heads` repeats
 
 
 # ---- the mesh and the head layout ------------------------------------------------------------
-def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+def make_mesh(tensor_parallel_size: int, devices=None, *, replica: bool = False) -> Mesh:
     """A 1-D mesh of `tensor_parallel_size` devices named "model".
 
     With several processes (multi-host) the mesh of the one engine must span every device of
-    every process: all of them run each step. Given `devices` (a data-parallel replica's, all
-    of this process), the mesh is theirs alone."""
-    whole_world = devices is None
+    every process: all of them run each step. `replica`: `devices` are a data-parallel
+    replica's, all of this process, and the mesh is theirs alone."""
+    whole_world = not replica
     devices = list(devices) if devices is not None else jax.devices()
     if tensor_parallel_size > len(devices):
         raise ValueError(

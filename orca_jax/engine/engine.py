@@ -136,10 +136,10 @@ class LLMEngine:
         if pipelined:  # a stage x model mesh; each stage a row (orca_jax/worker/pipeline.py)
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
             mesh = make_pipeline_mesh(self.config.pipeline_parallel_size, self.config.tensor_parallel_size,
-                                      self.devices)
+                                      self.devices, replica=self.devices is not None)
         elif self.config.tensor_parallel_size > 1 or spans_processes or self.devices is not None:
             parallel.kv_head_repeats(loaded.config, self.config.tensor_parallel_size)  # refuse early
-            mesh = parallel.make_mesh(self.config.tensor_parallel_size, self.devices)
+            mesh = parallel.make_mesh(self.config.tensor_parallel_size, self.devices, replica=self.devices is not None)
         make_runner = make_runner or (PipelineRunner if pipelined else ModelRunner)
         self.channel = multihost.StepChannel(self.config) if spans_processes and multihost.is_leader_of_many() else None
         if self.channel is not None:

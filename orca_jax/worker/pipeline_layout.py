@@ -30,9 +30,12 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     return ranges
 
 
-def make_pipeline_mesh(pipeline_parallel_size: int, tensor_parallel_size: int, devices=None) -> Mesh:
-    """The stage x model mesh: row s is stage s's devices, `tensor_parallel_size` of them."""
-    whole_world = devices is None  # else a data-parallel replica's devices, all of this process
+def make_pipeline_mesh(pipeline_parallel_size: int, tensor_parallel_size: int, devices=None, *,
+                       replica: bool = False) -> Mesh:
+    """The stage x model mesh: row s is stage s's devices, `tensor_parallel_size` of them.
+    `replica`: `devices` are a data-parallel replica's, all of this process, rather than the
+    one engine's of every process."""
+    whole_world = not replica
     devices = list(devices) if devices is not None else jax.devices()
     needed = pipeline_parallel_size * tensor_parallel_size
     if needed > len(devices):
