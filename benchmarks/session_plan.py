@@ -56,6 +56,26 @@ def feature_stage(limit_s: int) -> Stage:
                   "--budget-seconds", str(limit_s - 10), "--json", "{json}"), FEATURE_KEYS)
 
 
+def moe_stage(limit_s: int, checks: str) -> Stage:
+    """The grouped matmul on Qwen3-30B-A3B's expert shapes (both plans; what it compares
+    depends on the backend's lowerings)."""
+    return Stage("moe_bench", limit_s, checks,
+                 ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "qwen3_30b_a3b", "--dtype",
+                  "bfloat16", "--decode-tokens", "8,64", "--prefill-tokens", "256,512", "--max-seconds", "2",
+                  "--bandwidth-mib", "2048", "--json", "{json}"),
+                 ("relative_error", "gflops", "ms"))
+
+
+def mxfp4_stage(limit_s: int) -> Stage:
+    return Stage("moe_mxfp4_bench", limit_s, "MXFP4 experts (gpt-oss-120b shapes): ragged_dot on unpacked 4-bit vs "
+                 "bfloat16",
+                 ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "gpt_oss_120b", "--dtype",
+                  "bfloat16", "--projections", "up", "--impls", "dense,ragged_dot,ragged_dot_mxfp4,blocked_mxfp4",
+                  "--decode-tokens", "8,64", "--prefill-tokens", "512", "--max-seconds", "2", "--bandwidth-mib", "0",
+                  "--json", "{json}"),
+                 ("relative_error", "ms"))
+
+
 GPU_PLAN: list[Stage] = [
     FACTS,
     feature_stage(170),
@@ -87,19 +107,10 @@ GPU_PLAN: list[Stage] = [
           ("tokens_per_s", "share_of_roofline")),
     # Mixture of experts (issue 20) on Qwen3-30B-A3B's expert shapes; prefills stay at 512
     # tokens, since a dense-masked lowering would take seconds per call.
-    Stage("moe_bench", 40, "grouped matmul (ragged_dot, its Triton lowering, blocked loop) vs dense on Qwen3-30B-A3B "
-          "experts, checked vs numpy first",
-          ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "qwen3_30b_a3b", "--dtype",
-           "bfloat16", "--decode-tokens", "8,64", "--prefill-tokens", "256,512", "--max-seconds", "2",
-           "--bandwidth-mib", "2048", "--json", "{json}"),
-          ("relative_error", "gflops", "ms")),
+    moe_stage(40, "grouped matmul (ragged_dot, its Triton lowering, blocked loop) vs dense on Qwen3-30B-A3B "
+              "experts, checked vs numpy first"),
     # MXFP4 experts (issue 36): gpt-oss-120b's expert shapes, 4-bit experts unpacked per call.
-    Stage("moe_mxfp4_bench", 20, "MXFP4 experts (gpt-oss-120b shapes): ragged_dot on unpacked 4-bit vs bfloat16",
-          ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "gpt_oss_120b", "--dtype",
-           "bfloat16", "--projections", "up", "--impls", "dense,ragged_dot,ragged_dot_mxfp4,blocked_mxfp4",
-           "--decode-tokens", "8,64", "--prefill-tokens", "512", "--max-seconds", "2", "--bandwidth-mib", "0",
-           "--json", "{json}"),
-          ("relative_error", "ms")),
+    mxfp4_stage(20),
     # Sliding windows (issue 34): a sliding layer's decode at 8k context vs its window's length.
     Stage("sliding_window_bench", 20, "sliding-window decode at 8k context vs the window's length and a full layer, "
           "checked vs the reference",
@@ -116,18 +127,9 @@ GPU_PLAN: list[Stage] = [
 TPU_PLAN: list[Stage] = [
     FACTS,
     feature_stage(240),
-    Stage("moe_bench", 60, "grouped matmul (ragged_dot, blocked loop) vs dense on Qwen3-30B-A3B experts, checked "
-          "vs numpy first",
-          ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "qwen3_30b_a3b", "--dtype",
-           "bfloat16", "--decode-tokens", "8,64", "--prefill-tokens", "256,512", "--max-seconds", "2",
-           "--bandwidth-mib", "2048", "--json", "{json}"),
-          ("relative_error", "gflops", "ms")),
-    Stage("moe_mxfp4_bench", 30, "MXFP4 experts (gpt-oss-120b shapes): ragged_dot on unpacked 4-bit vs bfloat16",
-          ("{python}", "benchmarks/moe_bench.py", "--parts", "matmul", "--shapes", "gpt_oss_120b", "--dtype",
-           "bfloat16", "--projections", "up", "--impls", "dense,ragged_dot,ragged_dot_mxfp4,blocked_mxfp4",
-           "--decode-tokens", "8,64", "--prefill-tokens", "512", "--max-seconds", "2", "--bandwidth-mib", "0",
-           "--json", "{json}"),
-          ("relative_error", "ms")),
+    moe_stage(60, "grouped matmul (ragged_dot, blocked loop) vs dense on Qwen3-30B-A3B experts, checked "
+              "vs numpy first"),
+    mxfp4_stage(30),
     # The bench passes the window as a traced int32, as a model that mixes sliding and full
     # layers does inside its layer scan; jax's TPU kernel takes only a static window, so on a TPU
     # this times the reference such a model falls back to (orca_jax/kernels/ragged_paged_attention_tpu.py).

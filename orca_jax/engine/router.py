@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orca_jax.core.prefix_cache import hash_page
+from orca_jax.core.prefix_cache import extend_page_hashes
 from orca_jax.engine.request import split_prompt
 
 # Characters per block of a text prompt: about a page of tokens at ~4 characters a token.
@@ -86,10 +86,7 @@ class PrefixAffinityRouter:
             block, units = self.page_size, list(body)
         else:
             return []
-        hashes: list[bytes] = []
-        for start in range(0, len(units) - block + 1, block):
-            hashes.append(hash_page(hashes[-1] if hashes else None, units[start:start + block], salt))
-        return hashes
+        return extend_page_hashes([], lambda start, stop: units[start:stop], len(units), block, salt)
 
     def _matched_pages(self, pages: Sequence[bytes]) -> list[int]:
         """Per replica, how many leading pages of `pages` were routed to it."""

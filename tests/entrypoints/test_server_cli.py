@@ -130,6 +130,18 @@ def read_stream(url: str, results: list, index: int, first_chunk: threading.Even
         results[index] = f"error: {type(exc).__name__}"
 
 
+def start_long_streams(url: str, count: int) -> tuple[list, list[threading.Thread]]:
+    """`count` streamed completions read on their own threads, once the first chunk arrived:
+    (their finish reasons as they end, the reader threads)."""
+    results: list = [None] * count
+    first_chunk = threading.Event()
+    readers = [threading.Thread(target=read_stream, args=(url, results, i, first_chunk)) for i in range(count)]
+    for reader in readers:
+        reader.start()
+    assert first_chunk.wait(60), "no stream started"
+    return results, readers
+
+
 def wait_for_gauges(url: str, running, waiting, timeout: float = 30) -> None:
     """Until the gauges read `running` and `waiting`: numbers, or with data-parallel replicas
     lists of one number per replica (their `replica` labels in order)."""
@@ -155,13 +167,7 @@ def test_signal_aborts_live_streams_and_exits_cleanly(tiny_llama_dir, sig):
     process = ServerProcess(tiny_llama_dir, "--api-key", KEY)
     try:
         # Four long streams on a 2-sequence engine: two run, two wait, none can finish soon.
-        results: list = [None] * 4
-        first_chunk = threading.Event()
-        readers = [threading.Thread(target=read_stream, args=(process.url, results, i, first_chunk))
-                   for i in range(len(results))]
-        for reader in readers:
-            reader.start()
-        assert first_chunk.wait(60), "no stream started"
+        results, readers = start_long_streams(process.url, 4)
         wait_for_gauges(process.url, running=2, waiting=2)
         started = time.monotonic()
         process.proc.send_signal(sig)
@@ -182,13 +188,7 @@ def test_data_parallel_server_spreads_streams_and_stops_every_replica_on_sigterm
                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     try:
         assert any("data parallelism: 2 replicas" in line for line in process.log), "".join(process.log[-20:])
-        results: list = [None] * 4
-        first_chunk = threading.Event()
-        readers = [threading.Thread(target=read_stream, args=(process.url, results, i, first_chunk))
-                   for i in range(len(results))]
-        for reader in readers:
-            reader.start()
-        assert first_chunk.wait(60), "no stream started"
+        results, readers = start_long_streams(process.url, 4)
         wait_for_gauges(process.url, running=[2, 2], waiting=[0, 0])
         process.proc.send_signal(signal.SIGTERM)
         code = process.proc.wait(30)

@@ -65,6 +65,16 @@ def wait_healthy(url: str, processes: list[subprocess.Popen], logs) -> None:
     pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{_tail(logs[0])}\n{_tail(logs[1])}")
 
 
+def kill_all(processes: list[subprocess.Popen], logs) -> None:
+    """Whatever a test left running is killed, and the logs closed."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+
+
 def _tail(log) -> str:
     log.flush()
     return open(log.name).read()[-3000:]
@@ -109,12 +119,7 @@ def test_two_processes_serve_like_one_and_stop_together(tiny_llama_dir, tmp_path
         follower_log = _tail(logs[1])
         assert "process 1 of 2" in follower_log and "stop received" in follower_log
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        kill_all(processes, logs)
 
 
 @pytest.mark.parametrize("layout,replicas", [(("--data-parallel-size", "4"), ([0, 1], [2, 3])),
@@ -144,12 +149,7 @@ def test_data_parallel_hosts_each_serve_their_own_replicas(tiny_llama_dir, tmp_p
         codes = [p.wait(timeout=60) for p in processes]
         assert codes == [0, 0], f"{_tail(logs[0])}\n{_tail(logs[1])}"
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        kill_all(processes, logs)
 
 
 # ---- start-up rules, in-process ---------------------------------------------------------------
